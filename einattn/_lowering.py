@@ -4,9 +4,11 @@ An equation is the specification; running it is the engine's business. A contrac
 two operands ``A`` and ``B`` sorts its indices into four kinds: *batch* (in A, B and the
 output), *contracted* (in A and B only), *left* (A and the output) and *right* (B and the
 output). Then ``C = A[batch left con] @ B[batch con right]``, one matmul, between
-permutations chosen once per shape. The contracted indices follow the memory order of the
-larger operand so that a weight such as ``W_O[μ a i]`` is read as a view, never copied
-(``torch.einsum`` orders them alphabetically and copies a weight whose order disagrees).
+permutations chosen once per shape; where B already lies as ``B[right con]`` with no batch
+(an ``nn.Linear`` weight such as ``W[(μ B a) i]``) it is ``F.linear(A, B)``. The
+contracted indices follow the memory order of the larger operand so that a weight such as
+``W_O[μ a i]`` is read as a view, never copied (``torch.einsum`` orders them alphabetically
+and copies a weight whose order disagrees).
 Whatever cannot be lowered (a repeated index on one operand, an index summed within one
 operand) runs through ``torch.einsum``.
 """
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 Pair = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -46,27 +49,31 @@ def _pair(a: str, b: str, out: str, shape_a, shape_b) -> Pair | None:
     left = [c for c in a if c not in b]
     right = [c for c in b if c not in a]
     dims = [size[c] for c in batch]
-    plan_a = _arrange(a, batch + left + con, (*dims, _prod(left, size), _prod(con, size)))
-    plan_b = _arrange(b, batch + con + right, (*dims, _prod(con, size), _prod(right, size)))
     middle = batch + left + right
     plan_c = _unarrange(middle, out, tuple(size[c] for c in middle))
-
-    def pair(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-        return plan_c(torch.matmul(plan_a(A), plan_b(B)))
-
-    return pair
+    if not batch and list(b) == right + con:  # B is an nn.Linear weight B[right con]
+        plan_a = _arrange(a, left + con, (_prod(left, size), _prod(con, size)), shape_a)
+        plan_b = _arrange(b, right + con, (_prod(right, size), _prod(con, size)), shape_b)
+        return lambda A, B: plan_c(F.linear(plan_a(A), plan_b(B)))
+    plan_a = _arrange(a, batch + left + con, (*dims, _prod(left, size), _prod(con, size)),
+                      shape_a)
+    plan_b = _arrange(b, batch + con + right, (*dims, _prod(con, size), _prod(right, size)),
+                      shape_b)
+    return lambda A, B: plan_c(torch.matmul(plan_a(A), plan_b(B)))
 
 
 def _prod(indices: list[str], size: dict[str, int]) -> int:
     return math.prod(size[c] for c in indices)
 
 
-def _arrange(have: str, want: list[str], shape: tuple[int, ...]) -> Callable:
-    """Permute axes from ``have`` to ``want`` order, then reshape to ``shape``."""
+def _arrange(have: str, want: list[str], shape: tuple[int, ...],
+             current: tuple[int, ...]) -> Callable:
+    """Permute axes from ``have`` to ``want`` order, then reshape to ``shape``; no call at
+    all where the operand already is so (``current``: its shape)."""
     order = tuple(have.index(c) for c in want)
-    if order == tuple(range(len(order))):
-        return lambda t: t.reshape(shape)
-    return lambda t: t.permute(order).reshape(shape)
+    if order != tuple(range(len(order))):
+        return lambda t: t.permute(order).reshape(shape)
+    return _same if tuple(current) == shape else lambda t: t.reshape(shape)
 
 
 def _unarrange(have: list[str], want: str, shape: tuple[int, ...]) -> Callable:
@@ -75,3 +82,7 @@ def _unarrange(have: list[str], want: str, shape: tuple[int, ...]) -> Callable:
     if order == tuple(range(len(order))):
         return lambda t: t.reshape(shape)
     return lambda t: t.reshape(shape).permute(order)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

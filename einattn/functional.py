@@ -50,7 +50,7 @@ def open_fused(W: torch.Tensor, n_heads: int, n_kv_heads: int | None = None) -> 
         raise EinattnError(
             f"W has {W.shape[0]} rows; {layout} rows with {_counts(g, r)}, "
             f"so a multiple of {g * (r + 2)}")
-    return rearrange(W, "(g C a) i -> g C a i", g=g, C=r + 2)
+    return W.unflatten(0, (g, r + 2, -1))  # W[(g C a) i] -> W[g C a i]
 
 
 def _counts(g: int, r: int) -> str:
@@ -75,18 +75,36 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
     r = W4.shape[1] - 2
     b4 = None if b is None else _open_bias(b, W4)
     if context is None:
-        P = _project(x, W4, b4)
-        Q, K, V = P[:r], P[r], P[r + 1]
-    else:
-        _check_context(x, context)
-        Q = _project(x, W4[:, :r], None if b4 is None else b4[:r])
-        K, V = _project(context, W4[:, r:], None if b4 is None else b4[r:]).unbind(0)
-    return rearrange(Q, "r n g τ a -> n (g r) τ a"), K, V
+        return _slots(_project(x, W4, b4), r, 1, 1)
+    _check_context(x, context)
+    (Q,) = _slots(_project(x, W4[:, :r], None if b4 is None else b4[:r]), r)
+    return (Q, *_slots(_project(context, W4[:, r:], None if b4 is None else b4[r:]), 1, 1))
 
 
 def _project(x: torch.Tensor, W4: torch.Tensor, b4: torch.Tensor | None) -> torch.Tensor:
     P = (PROJECT if W4.shape[1] == 3 else PROJECT_GQA)(X=x, W=W4)
     return P if b4 is None else P + b4
+
+
+def _slots(P: torch.Tensor, *counts: int) -> tuple[torch.Tensor, ...]:
+    """Split ``P[C n g τ a]`` along C into parts of ``counts`` slots, each as ``[n (g r) τ a]``.
+
+    The split runs in the order the matmul laid P out, ``(n τ g C a)``, so that backward
+    writes one gradient in that order: indexing ``P[:r], P[r], P[r+1]`` would zero-fill a
+    full-size gradient per slot, sum them and copy the sum back into the matmul's order.
+    """
+    parts = P.permute(_IN_MEMORY_ORDER).split_with_sizes(counts, dim=3)
+    return tuple(part.permute(_HEADS_FIRST).flatten(1, 2) for part in parts)
+
+
+def _axes(pattern: str) -> tuple[int, ...]:
+    """The ``permute`` argument of an einops-style pattern such as ``"x y -> y x"``."""
+    have, want = (side.split() for side in pattern.split("->"))
+    return tuple(have.index(index) for index in want)
+
+
+_IN_MEMORY_ORDER = _axes("C n g τ a -> n τ g C a")
+_HEADS_FIRST = _axes("n τ g r a -> n g r τ a")  # then (g r) flattened into μ
 
 
 def _open_bias(b: torch.Tensor, W4: torch.Tensor) -> torch.Tensor:
