@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from . import layouts
+from . import layouts, rotary
 from . import masks as _masks
 from . import paths as _paths
+from .cache import KVCache
 from .errors import EinattnError
 from .notation import Equation
 
@@ -221,7 +222,9 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
                          b: torch.Tensor | None = None, b_O: torch.Tensor | None = None,
                          dropout: float = 0.0, need_weights: bool = False,
                          return_intermediates: bool = False, impl: str = "einsum",
-                         block_size: int = 256):
+                         block_size: int = 256, rope: str | None = None,
+                         rope_base: float = 10000.0, positions: torch.Tensor | None = None,
+                         cache: KVCache | None = None):
     """Equations (1)–(5) composed: ``Y[n τ i]`` from ``X[n τ i]``.
 
     ``dropout`` is applied to ``A`` (pass 0 outside training). ``need_weights=True``
@@ -229,6 +232,13 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     every intermediate by its equation name: Q, K, V, S, A, Z, Y_μ and Y.
     ``n_kv_heads`` (dividing ``n_heads``) makes it grouped-query attention over
     ``W[(g C a) i]``: query head μ = (g r) reads key/value group g = μ // r.
+
+    ``rope`` ("half" or "interleaved") turns Q and K by rotary position embeddings
+    (:mod:`einattn.rotary`, base ``rope_base``) at ``positions`` (``(L,)`` or ``(n, L)``
+    integers; default: 0, 1, … after the tokens already in ``cache``). With a
+    :class:`~einattn.cache.KVCache`, this call's keys and values are appended to it and the
+    queries attend over everything cached (causal aligned bottom-right);
+    ``key_padding_mask`` then marks this call's new keys only.
 
     ``impl`` chooses how equations (2)–(4) run, on the same parameters: ``"einsum"`` (the
     equations as written; under ``torch.compile`` routed to SDPA, which Inductor fuses),
@@ -244,6 +254,14 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     if impl not in IMPLS:
         raise EinattnError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
     Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
+    if rotary.check_style(rope, Q.shape[-1]) is not None:
+        Q, K = _rotate(Q, K, rope, rope_base, positions, 0 if cache is None else len(cache),
+                       cross=context is not None)
+    elif positions is not None:
+        raise EinattnError("positions= only matters with rope='half' or 'interleaved'; this "
+                           "attention has rope=None")
+    if cache is not None:
+        K, V, key_padding_mask = cache.append(K, V, key_padding_mask)
     if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
         raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
                            f"Y[n τ i] must have the model width of X[n τ i]")
@@ -265,6 +283,17 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
 
 
 IMPLS = ("einsum", "sdpa", "chunked")
+
+
+def _rotate(Q, K, style: str, base: float, positions, offset: int, *, cross: bool):
+    """Q and K turned by (R1)/(R2), the keys at the queries' positions (self-attention)."""
+    if cross:
+        raise EinattnError("rope needs self-attention: with a context, the keys' positions "
+                           "are not the queries'; drop rope or the context")
+    n, _, L, d_head = Q.shape
+    t = rotary.positions_for(positions, n=n, L=L, offset=offset, device=Q.device)
+    R = rotary.rotations(t, d_head=d_head, base=base, dtype=Q.dtype)
+    return rotary.rotate(Q, R, style), rotary.rotate(K, R, style)
 
 
 def _einsum_stages(Q, K, V, M, causal: bool, dropout: float) -> dict[str, torch.Tensor]:

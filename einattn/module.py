@@ -13,7 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import functional, layouts
+from . import functional, layouts, rotary
+from .cache import KVCache
 from .errors import EinattnError
 
 
@@ -38,6 +39,8 @@ class MultiHeadAttention(nn.Module):
     ``(n_heads, d_head, d_model)``, meaning ``W_O[μ a i]``; with ``bias=True`` also ``b``
     (layout ``(μ B a)``) and ``b_O`` (``d_model``). ``init="torch"`` follows
     ``nn.MultiheadAttention``; ``init="gpt2"`` draws weights from N(0, 0.02²).
+    ``n_kv_heads`` makes it grouped-query attention (``W[(g C a) i]``); ``rope="half"`` or
+    ``"interleaved"`` adds rotary position embeddings (:mod:`einattn.rotary`).
 
     >>> layer = MultiHeadAttention(16, 4, causal=True)
     >>> layer(torch.randn(2, 5, 16)).shape
@@ -46,8 +49,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, *, d_head: int | None = None,
                  n_kv_heads: int | None = None, bias: bool = False, dropout: float = 0.0,
-                 causal: bool = False,
-                 init: str = "torch", impl: str = "einsum", block_size: int = 256,
+                 causal: bool = False, init: str = "torch", impl: str = "einsum",
+                 block_size: int = 256, rope: str | None = None, rope_base: float = 10000.0,
                  device=None, dtype=None):
         super().__init__()
         d_head = _d_head(d_model, n_heads, d_head)
@@ -59,6 +62,7 @@ class MultiHeadAttention(nn.Module):
         rows = self.n_kv_heads * (r + 2) * d_head
         self.dropout, self.causal = dropout, causal
         self.impl, self.block_size = _check_impl(impl), block_size
+        self.rope, self.rope_base = rotary.check_style(rope, d_head), rope_base
         kw = {"device": device, "dtype": dtype}
         self.W = nn.Parameter(torch.empty(rows, d_model, **kw))
         self.W_O = nn.Parameter(torch.empty(n_heads, d_head, d_model, **kw))
@@ -87,12 +91,13 @@ class MultiHeadAttention(nn.Module):
         grouped = f"n_kv_heads={self.n_kv_heads}, " if self.n_kv_heads != self.n_heads else ""
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, {grouped}d_head={self.d_head}, "
                 f"bias={self.b is not None}, dropout={self.dropout}, causal={self.causal}, "
-                f"impl={self.impl!r}")
+                f"impl={self.impl!r}" + (f", rope={self.rope!r}" if self.rope else ""))
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
                 causal: bool | None = None, need_weights: bool = False,
-                return_intermediates: bool = False, impl: str | None = None):
+                return_intermediates: bool = False, impl: str | None = None,
+                positions: torch.Tensor | None = None, cache: KVCache | None = None):
         """``Y[n τ i]`` from ``x`` ``(n, L_q, d_model)`` and optional ``context``
         ``(n, L_k, d_model)``.
 
@@ -103,18 +108,29 @@ class MultiHeadAttention(nn.Module):
         ``A[n μ τ σ]`` as applied (after dropout). ``return_intermediates=True`` returns
         ``(Y, stages)``: a dict of every intermediate by its equation name
         (Q, K, V, S, A, Z, Y_μ, Y). ``impl`` overrides the constructor's ("einsum",
-        "sdpa" or "chunked"); all three share the parameters and agree.
+        "sdpa" or "chunked"); all three share the parameters and agree. ``positions``
+        (``(L,)`` or ``(n, L)`` integers) places the tokens for RoPE; by default they follow
+        the tokens already in ``cache``. With ``cache`` (a :class:`~einattn.KVCache`),
+        this call's keys and values are appended to it and attention runs over all of it:
+        ``layer(prompt, cache=c)`` then ``layer(next_token, cache=c)`` equals one causal
+        forward over the whole sequence; ``key_padding_mask`` then marks the new keys.
         """
         self._check_input("x", x)
         if context is not None:
             self._check_input("context", context)
         return functional.multi_head_attention(
-            x, self.W, self.W_O, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-            context=context, mask=mask,
+            x, **self._attention_weights(), context=context, mask=mask,
             key_padding_mask=key_padding_mask, causal=self.causal if causal is None else causal,
-            b=self.b, b_O=self.b_O, dropout=self.dropout if self.training else 0.0,
+            dropout=self.dropout if self.training else 0.0,
             need_weights=need_weights, return_intermediates=return_intermediates,
-            impl=self.impl if impl is None else _check_impl(impl), block_size=self.block_size)
+            impl=self.impl if impl is None else _check_impl(impl), block_size=self.block_size,
+            rope=self.rope, rope_base=self.rope_base, positions=positions, cache=cache)
+
+    def _attention_weights(self) -> dict:
+        """What forward hands :func:`einattn.functional.multi_head_attention`: parameters
+        and head counts (:mod:`einattn.parallel` substitutes one rank's shards)."""
+        return {"W": self.W, "W_O": self.W_O, "b": self.b, "b_O": self.b_O,
+                "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
 
     def _check_input(self, name: str, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor):
@@ -210,6 +226,9 @@ class MultiHeadAttention(nn.Module):
         if self.n_kv_heads != self.n_heads:
             raise EinattnError(f"nn.MultiheadAttention has no grouped-query attention, but this "
                                f"layer has n_kv_heads={self.n_kv_heads} < n_heads={self.n_heads}")
+        if self.rope is not None:
+            raise EinattnError(f"nn.MultiheadAttention has no rotary embeddings, but this layer "
+                               f"has rope={self.rope!r}")
         if self.n_heads * self.d_head != self.d_model:
             raise EinattnError(f"nn.MultiheadAttention needs n_heads·d_head = d_model, but "
                                f"{self.n_heads}·{self.d_head} != {self.d_model}")

@@ -221,6 +221,17 @@ BAD = {
                               r"impl must be one of 'einsum', 'sdpa', 'chunked', got 'x'"),
     "dropout-not-a-number": (lambda: MultiHeadAttention(30, 5, dropout="0.1"),
                              r"dropout must be in \[0, 1\), got 0\.1"),
+    "to_torch-rope": (lambda: MultiHeadAttention(30, 5, rope="half").to_torch(),
+                      r"nn.MultiheadAttention has no rotary embeddings, but this layer has "
+                      r"rope='half'"),
+    "rope-unknown": (lambda: MultiHeadAttention(30, 5, rope="llama"),
+                     r"rope must be None, 'half' or 'interleaved', got 'llama'"),
+    "rope-odd-d_head": (lambda: MultiHeadAttention(30, 6, rope="half"),
+                        r"rope turns pairs of channels, but index 'a' has odd size 5"),
+    "positions-without-rope": (lambda: _layer()(_x(), positions=torch.arange(L_Q)),
+                               r"positions= only matters with rope='half' or 'interleaved'"),
+    "rope-with-context": (lambda: _layer(rope="half")(_x(), _c()),
+                          r"rope needs self-attention: with a context, the keys' positions"),
 }
 
 

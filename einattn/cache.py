@@ -1,0 +1,81 @@
+"""``KVCache``: the keys and values of the tokens seen so far, for decoding one step at a time.
+
+A call ``layer(x_new, causal=True, cache=cache)`` projects only the new tokens, appends
+their keys ``K[n g σ a]`` and values ``V[n g σ a]`` (g = the key/value heads, rotated
+already when the layer uses RoPE) to the cache, and attends over every cached key. The
+queries are the last ``L_q`` of ``L_k`` positions, so the causal mask is aligned
+bottom-right, as :func:`einattn.masks.causal_mask` aligns it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import EinattnError
+
+
+class KVCache:
+    """Keys, values and key padding of the tokens seen so far, grown by each call.
+
+    >>> cache = KVCache()
+    >>> K, V, pad = cache.append(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    >>> len(cache), tuple(K.shape), pad
+    (3, (1, 2, 3, 4), None)
+    """
+
+    def __init__(self) -> None:
+        self.K: torch.Tensor | None = None
+        self.V: torch.Tensor | None = None
+        self.padding: torch.Tensor | None = None  # (n, σ), True = padding, or None
+
+    def __len__(self) -> int:
+        """The number of cached positions σ."""
+        return 0 if self.K is None else self.K.shape[2]
+
+    def __repr__(self) -> str:
+        shape = None if self.K is None else tuple(self.K.shape)
+        return f"KVCache(length={len(self)}, K[n g σ a]={shape})"
+
+    def reset(self) -> None:
+        """Forget every cached token (a new sequence)."""
+        self.K = self.V = self.padding = None
+
+    def append(self, K: torch.Tensor, V: torch.Tensor,
+               key_padding_mask: torch.Tensor | None = None):
+        """Append this call's ``K[n g σ a]``, ``V[n g σ a]`` and its key padding ``(n, σ)``
+        (True = padding); return everything cached: ``(K, V, padding over all σ)``."""
+        self._check(K, key_padding_mask)
+        before = len(self)
+        if self.K is None:
+            self.K, self.V = K, V
+        else:
+            self.K, self.V = torch.cat([self.K, K], dim=2), torch.cat([self.V, V], dim=2)
+        if self.padding is not None or key_padding_mask is not None:
+            n, L = K.shape[0], K.shape[2]
+            old = _no_padding(n, before, K) if self.padding is None else self.padding
+            new = _no_padding(n, L, K) if key_padding_mask is None else key_padding_mask
+            self.padding = torch.cat([old, new], dim=1)
+        return self.K, self.V, self.padding
+
+    def _check(self, K: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:
+        n, L = K.shape[0], K.shape[2]
+        if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
+                                             or key_padding_mask.shape != (n, L)):
+            raise EinattnError(
+                f"with a cache, key_padding_mask marks this call's new keys: a bool (n, σ) = "
+                f"({n}, {L}) tensor, got {key_padding_mask.dtype} "
+                f"{tuple(key_padding_mask.shape)}")
+        if self.K is not None:
+            for index, axis in (("n", 0), ("g", 1), ("a", 3)):
+                if K.shape[axis] != self.K.shape[axis]:
+                    raise EinattnError(
+                        f"index {index!r} has size {K.shape[axis]} in the new keys but "
+                        f"{self.K.shape[axis]} in the cache's K[n g σ a]; call "
+                        f"cache.reset() to start another sequence")
+            if K.dtype != self.K.dtype or K.device != self.K.device:
+                raise EinattnError(f"new keys are {K.dtype} on {K.device} but the cache holds "
+                                   f"{self.K.dtype} on {self.K.device}")
+
+
+def _no_padding(n: int, L: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(n, L, dtype=torch.bool, device=like.device)

@@ -1,0 +1,156 @@
+"""``KVCache``: a prefill followed by token-by-token steps, or a prefill in chunks, equals
+one causal forward over the whole sequence, for every rope setting, grouping and impl."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from einattn import EinattnError, KVCache, MultiHeadAttention
+from tests.conftest import TOL, assert_close_scaled, randn
+
+F64 = torch.float64
+N, L, D, H = 2, 11, 24, 6
+
+
+def _layer(rope, g, impl, **options) -> MultiHeadAttention:
+    torch.manual_seed(7)
+    return MultiHeadAttention(D, H, d_head=4, n_kv_heads=g, rope=rope, bias=True, impl=impl,
+                              causal=True, dtype=F64, **options)
+
+
+def _decode(layer, x, splits, **call):
+    """Run ``x`` through ``layer`` in pieces cut at ``splits``, with one cache."""
+    cache, outputs, start = KVCache(), [], 0
+    for stop in [*splits, x.shape[1]]:
+        outputs.append(layer(x[:, start:stop], cache=cache, **call))
+        start = stop
+    assert len(cache) == x.shape[1]
+    return torch.cat(outputs, dim=1)
+
+
+CASES = [(rope, g, impl) for rope in (None, "half", "interleaved") for g in (None, 2, 1)
+         for impl in ("einsum", "sdpa", "chunked")]
+
+
+@pytest.mark.parametrize("rope, g, impl", CASES)
+@pytest.mark.parametrize("prefill", [1, 4])
+def test_prefill_then_token_steps_equal_one_causal_forward(rope, g, impl, prefill):
+    layer = _layer(rope, g, impl)
+    x = randn(N, L, D, seed=prefill)
+    steps = list(range(prefill, L))
+    assert_close_scaled(_decode(layer, x, steps), layer(x), TOL[F64])
+
+
+@pytest.mark.parametrize("rope, g, impl", CASES)
+def test_chunked_prefill_equals_one_causal_forward(rope, g, impl):
+    layer = _layer(rope, g, impl)
+    x = randn(N, L, D, seed=2)
+    assert_close_scaled(_decode(layer, x, [3, 8]), layer(x), TOL[F64])
+
+
+def test_gradients_flow_through_the_cache_as_through_one_forward():
+    layer = _layer("half", 2, "einsum")
+    x = randn(N, L, D, seed=3)
+    dy = randn(N, L, D, seed=4)
+    (_decode(layer, x, [5, 6]) * dy).sum().backward()
+    pieces = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    (layer(x) * dy).sum().backward()
+    for got, p in zip(pieces, layer.parameters(), strict=True):
+        assert_close_scaled(got, p.grad, TOL[F64])
+
+
+def test_key_padding_accumulates_in_the_cache():
+    """Each call's key_padding_mask marks its new keys; the cache keeps them all."""
+    layer = _layer("half", 3, "einsum")
+    x = randn(N, L, D, seed=5)
+    padding = torch.zeros(N, L, dtype=torch.bool)
+    padding[0, 1] = padding[1, 5] = padding[1, 9] = True
+    want = layer(x, key_padding_mask=padding)
+    cache, got = KVCache(), []
+    for start, stop in ((0, 4), (4, 6), (6, 11)):
+        got.append(layer(x[:, start:stop], cache=cache,
+                         key_padding_mask=padding[:, start:stop]))
+    assert_close_scaled(torch.cat(got, dim=1), want, TOL[F64])
+    assert torch.equal(cache.padding, padding)
+
+
+def test_a_call_without_padding_after_one_with_pads_nothing():
+    layer = _layer(None, None, "sdpa")
+    x = randn(N, 6, D, seed=6)
+    padding = torch.tensor([[False, True, False], [False, False, False]])
+    cache = KVCache()
+    layer(x[:, :3], cache=cache, key_padding_mask=padding)
+    layer(x[:, 3:], cache=cache)
+    assert torch.equal(cache.padding, torch.cat([padding, torch.zeros(N, 3, dtype=torch.bool)], 1))
+
+
+def test_weights_with_a_cache_cover_every_cached_key():
+    layer = _layer("interleaved", 2, "einsum")
+    x = randn(N, L, D, seed=7)
+    cache = KVCache()
+    layer(x[:, :8], cache=cache)
+    _, A = layer(x[:, 8:], cache=cache, need_weights=True)
+    _, A_full = layer(x, need_weights=True)
+    assert A.shape == (N, H, 3, L)
+    assert_close_scaled(A, A_full[:, :, 8:], TOL[F64])
+
+
+def test_positions_continue_from_the_cache_length_unless_given():
+    """Left-padded prompts start at different positions; given positions are used as is."""
+    layer = _layer("half", None, "einsum")
+    x = randn(N, L, D, seed=8)
+    positions = torch.stack([torch.arange(L), torch.arange(L) + 3])
+    want = layer(x, positions=positions)
+    cache = KVCache()
+    got = [layer(x[:, :6], cache=cache, positions=positions[:, :6])]
+    for t in range(6, L):
+        got.append(layer(x[:, t:t + 1], cache=cache, positions=positions[:, t:t + 1]))
+    assert_close_scaled(torch.cat(got, dim=1), want, TOL[F64])
+
+
+def test_reset_starts_a_new_sequence():
+    layer = _layer("half", None, "einsum")
+    x = randn(N, L, D, seed=9)
+    cache = KVCache()
+    layer(x, cache=cache)
+    cache.reset()
+    assert len(cache) == 0 and cache.K is None
+    assert_close_scaled(_decode(layer, x, [2]), layer(x), TOL[F64])
+    assert "length=0" in repr(KVCache())
+
+
+def _ones(L_new: int, dtype=F64) -> torch.Tensor:
+    return torch.ones(N, L_new, D, dtype=dtype)
+
+
+ERRORS = {  # each call continues a cache that holds 3 float64 tokens of batch 2
+    "batch": (lambda layer, c: layer(torch.ones(3, 1, D, dtype=F64), cache=c),
+              r"index 'n' has size 3 in the new keys but 2 in the cache's K\[n g σ a\]; call "
+              r"cache.reset\(\)"),
+    "dtype": (lambda layer, c: layer.float()(_ones(1, torch.float32), cache=c),
+              r"new keys are torch.float32 on cpu but the cache holds torch.float64 on cpu"),
+    "padding shape": (lambda layer, c: layer(_ones(2), cache=c,
+                                             key_padding_mask=torch.zeros(N, 5).bool()),
+                      r"with a cache, key_padding_mask marks this call's new keys: a bool "
+                      r"\(n, σ\) = \(2, 2\) tensor, got torch.bool \(2, 5\)"),
+    "padding float": (lambda layer, c: layer(_ones(2), cache=c,
+                                             key_padding_mask=torch.zeros(N, 2)),
+                      r"a bool \(n, σ\) = \(2, 2\) tensor, got torch.float32 \(2, 2\)"),
+}
+
+
+@pytest.mark.parametrize("call, message", ERRORS.values(), ids=ERRORS.keys())
+def test_bad_cache_use_raises(call, message):
+    layer, cache = _layer(None, None, "einsum"), KVCache()
+    layer(_ones(3), cache=cache)
+    with pytest.raises(EinattnError, match=message):
+        call(layer, cache)
+
+
+def test_heads_must_match_the_cache():
+    cache = KVCache()
+    _layer(None, None, "einsum")(torch.ones(N, 3, D, dtype=F64), cache=cache)
+    with pytest.raises(EinattnError, match=r"index 'g' has size 2 in the new keys but 6"):
+        _layer(None, 2, "einsum")(torch.ones(N, 1, D, dtype=F64), cache=cache)
