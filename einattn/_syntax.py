@@ -170,13 +170,14 @@ _GREEK = {
     "Λ": r"\Lambda", "Ξ": r"\Xi", "Π": r"\Pi", "Σ": r"\Sigma", "Φ": r"\Phi",
     "Ψ": r"\Psi", "Ω": r"\Omega",
 }
+_SPELLED = {command[1:]: command for command in _GREEK.values()}  # "phi" -> \phi
 
 
 def latex_symbol(name: str) -> str:
-    """One index or tensor name as LaTeX: Greek letters as commands, ``W_O`` as ``W_{O}``,
-    other multi-letter names upright."""
-    if name in _GREEK:
-        return _GREEK[name]
+    """One index or tensor name as LaTeX: Greek letters (written as such or spelled out,
+    ``phi``) as commands, ``W_O`` as ``W_{O}``, other multi-letter names upright."""
+    if name in _GREEK or name in _SPELLED:
+        return _GREEK.get(name) or _SPELLED[name]
     if len(name) == 1:
         return name
     head, _, tail = name.partition("_")

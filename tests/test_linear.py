@@ -468,7 +468,7 @@ HAND_WRITTEN = {  # tag -> (the code's string, its LaTeX)
     "L5": (linear.PREFIX_SUMS,
            r"H_{n \mu \tau a c} = \sum_{\sigma \le \tau + L_k - L_q} U_{n \mu \sigma a c}, "
            r"\qquad h_{n \mu \tau a} = \sum_{\sigma \le \tau + L_k - L_q} "
-           r"(\mathrm{phi}_{K})_{n \mu \sigma a}"),
+           r"(\phi_{K})_{n \mu \sigma a}"),
 }
 ORDER = ["L1", "L2", "L3", "L4", "L5", "L6", "L7", "L1g", "L2g", "L4g", "L6g", "L7g"]
 DISPLAY = re.compile(r"^\$\$\n(.*?)\n\$\$$", re.M | re.S)

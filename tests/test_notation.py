@@ -347,6 +347,8 @@ def test_gradcheck(text, shapes, sizes):
      r"S_{\mathrm{head} \mathrm{pos}} = Q_{\mathrm{head} \mathrm{pos} \mathrm{dim}} "
      r"K_{\mathrm{head} \mathrm{pos} \mathrm{dim}}"),
     ("t[] = M[i i]", r"t_{} = M_{i i}"),
+    ("N[τ c] = phi_Q[τ a] phi_K[σ a] V[σ c]",  # spelled-out Greek names become commands
+     r"N_{\tau c} = (\phi_{Q})_{\tau a} (\phi_{K})_{\sigma a} V_{\sigma c}"),
 ])
 def test_latex(text, want):
     assert Equation(text).latex() == want
