@@ -285,7 +285,7 @@ def check_step(step: derivation.Step, *, exact_only: bool = False) -> StepResult
         return StepResult(step.name, mode, where="skipped: not multilinear, float mode only")
     try:
         r = verify.check_equivalent(step.lhs, step.rhs, step.sizes, exact=step.exact,
-                                    inputs=step.inputs)
+                                    inputs=step.inputs, draws=step.draws)
     except AssertionError as mismatch:  # the two sides have different shapes
         return StepResult(step.name, mode, math.inf, 0.0, False, where=str(mismatch))
     return StepResult(step.name, r.mode, r.max_deviation, r.tolerance, r.equal,

@@ -7,6 +7,7 @@ sizes; ``mutations()`` gives plausible wrong steps that verification must reject
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import functional, layouts, masks, reference
+from . import circuits, functional, layouts, linear, masks, reference, rotary
+from .cache import KVCache
 from .notation import Equation
 
 
@@ -28,6 +30,7 @@ class Step:
     sizes: dict[str, int]
     exact: bool
     inputs: dict[str, str] = field(default_factory=dict)
+    draws: int = 3  # more where the degree is high, to keep the exact bound below 1e-8
 
 
 def default_sizes(n: int = 2, L: int = 5, d_model: int = 16, n_heads: int = 4,
@@ -100,10 +103,209 @@ def _layers(n_heads: int, causal: bool):
     return einattn_layer, reshape_layer
 
 
+# -- the variations: grouped-query attention, circuits, RoPE, the KV cache, linear ----------
+
+def _gqa_sizes(s: dict[str, int], g: int | None = None) -> dict[str, int]:
+    """Self-attention sizes with μ = (g r): by default g = μ/2 groups of r = 2 (μ even), or
+    one group (multi-query) for odd μ."""
+    g = (s["μ"] // 2 if s["μ"] % 2 == 0 else 1) if g is None else g
+    r = s["μ"] // g
+    return {**s, "σ": s["τ"], "g": g, "r": r, "C": r + 2}
+
+
+def _repeated(t: torch.Tensor, n_kv_heads: int, r: int) -> torch.Tensor:
+    """``(n, L, (g a))`` as heads ``(n, g·r, L, a)``, each group's head repeated r times."""
+    return _split_heads(t, n_kv_heads).repeat_interleave(r, dim=1)
+
+
+def _gqa_layers(n_heads: int, n_kv_heads: int):
+    def einattn_grouped(X, W, W_O):
+        return functional.multi_head_attention(X, W, W_O, n_heads=n_heads,
+                                               n_kv_heads=n_kv_heads, causal=True)
+
+    def repeat_interleave_reference(X, W, W_O):
+        """Three linears, each key/value head repeated for the r query heads of its group,
+        causal SDPA, heads concatenated."""
+        W_q, W_k, W_v = layouts.split_qkv(W, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        r = n_heads // n_kv_heads
+        q = _split_heads(F.linear(X, W_q), n_heads)
+        k, v = (_repeated(F.linear(X, w), n_kv_heads, r) for w in (W_k, W_v))
+        return _concat_then_linear(F.scaled_dot_product_attention(q, k, v, is_causal=True), W_O)
+    return einattn_grouped, repeat_interleave_reference
+
+
+def _tiled(n_heads: int, n_kv_heads: int):
+    """Wrong: query head μ reading group μ % g (the tiled order) where μ // r is meant."""
+    grouped, _ = _gqa_layers(n_heads, n_kv_heads)
+
+    def tiled(X, W, W_O):
+        W_q, W_k, W_v = layouts.split_qkv(W, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        W_q = layouts.grouped_to_tiled(W_q, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        return grouped(X, layouts.fuse_qkv(W_q, W_k, W_v, n_heads=n_heads,
+                                           n_kv_heads=n_kv_heads), W_O)
+    return grouped, tiled
+
+
+def _circuit_scores(n_heads: int, n_kv_heads: int):
+    def through_W_QK(X, W):
+        """X W_QK X: the unscaled scores from the QK circuit."""
+        W_QK = circuits.qk_circuit(W, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        return torch.einsum("nti,mij,nsj->nmts", X, W_QK, X)
+
+    def q_dot_k(X, W):
+        W_q, W_k, _ = layouts.split_qkv(W, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        q = _split_heads(F.linear(X, W_q), n_heads)
+        return q @ _repeated(F.linear(X, W_k), n_kv_heads, n_heads // n_kv_heads).mT
+    return through_W_QK, q_dot_k
+
+
+def _circuit_output(n_heads: int, n_kv_heads: int):
+    def through_W_OV(A, X, W, W_O):
+        """Σ_μ A_μ X W_OV,μ: the output from the OV circuit (any weights A)."""
+        W_OV = circuits.ov_circuit(W, W_O, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        return torch.einsum("nmts,nsi,mij->ntj", A, X, W_OV)
+
+    def values_then_heads(A, X, W, W_O):
+        _, _, W_v = layouts.split_qkv(W, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        v = _repeated(F.linear(X, W_v), n_kv_heads, n_heads // n_kv_heads)
+        return _concat_then_linear(A @ v, W_O)
+    return through_W_OV, values_then_heads
+
+
+def _rope_forms(style: str):
+    def rotation_equation(T, t):
+        R = rotary.rotations(t, d_head=T.shape[-1], base=10000.0, dtype=T.dtype)
+        return rotary.rotate(T, R, style)
+
+    def published(T, t):
+        """Llama's ``T cos + rotate_half(T) sin`` or GPT-J's every-two form."""
+        a = T.shape[-1]
+        angle = t[..., None] * 10000.0 ** (-torch.arange(0, a, 2, dtype=T.dtype) / a)
+        if style == "half":
+            angle, turned = torch.cat([angle, angle], -1), torch.cat(
+                [-T[..., a // 2:], T[..., : a // 2]], -1)
+        else:
+            angle = angle.repeat_interleave(2, -1)
+            turned = torch.stack([-T[..., 1::2], T[..., 0::2]], -1).flatten(-2)
+        return T * angle.cos()[:, None] + turned * angle.sin()[:, None]
+    return rotation_equation, published
+
+
+def _rope_scores(shift: int):
+    def scores_at(Q, K):
+        """RoPE scores with query and key positions 0, 1, … shifted by ``shift``."""
+        n, _, L, a = Q.shape
+        R = rotary.rotations(torch.arange(L).expand(n, L) + shift, d_head=a, base=10000.0,
+                             dtype=Q.dtype)
+        return functional.attention_scores(rotary.rotate(Q, R, "half"),
+                                           rotary.rotate(K, R, "half"))
+    return scores_at
+
+
+def _decode_forms(n_heads: int, n_kv_heads: int):
+    def prefill_then_steps(X, W, W_O):
+        """Two tokens of prefill, then one token a call, through a KVCache (RoPE on)."""
+        cache, options = KVCache(), {"n_heads": n_heads, "n_kv_heads": n_kv_heads,
+                                     "causal": True, "rope": "half"}
+        cuts = [0, *range(2, X.shape[1] + 1)]
+        return torch.cat([functional.multi_head_attention(X[:, a:b], W, W_O, cache=cache,
+                                                          **options)
+                          for a, b in itertools.pairwise(cuts)], dim=1)
+
+    def one_forward(X, W, W_O):
+        return functional.multi_head_attention(X, W, W_O, n_heads=n_heads,
+                                               n_kv_heads=n_kv_heads, causal=True, rope="half")
+    return prefill_then_steps, one_forward
+
+
+def _linear_keys_first(phi_Q, phi_K, V):
+    """φ_Q (φ_Kᵀ V): the keys' (a c) summary first, with plain matmuls."""
+    return phi_Q @ (phi_K.mT @ V)
+
+
+def _linear_prefix_sums(phi_Q, phi_K, V):
+    """The causal numerator by prefix sums, (L4)–(L6)."""
+    H, _ = linear.prefix_sums(phi_K, V, phi_Q.shape[2])
+    return linear.causal_numerator(phi_Q, H)
+
+
+def _linear_masked_weights(phi_Q, phi_K, V):
+    """The causal numerator the quadratic way: (φ_Q φ_Kᵀ, zero where σ > τ) V."""
+    return (phi_Q @ phi_K.mT).tril() @ V
+
+
+def _linear_strict_prefix(phi_Q, phi_K, V):
+    """Wrong: each query's own key left out (σ < τ)."""
+    return (phi_Q @ phi_K.mT).tril(-1) @ V
+
+
+def _linear_forms(causal: bool):
+    def linear_order(Q, K, V):
+        return linear.linear_attention(Q, K, V, causal=causal)
+
+    def quadratic_order(Q, K, V):
+        return linear.quadratic_form(Q, K, V, causal=causal)
+    return linear_order, quadratic_order
+
+
+_PHIS = {"phi_Q": "n μ τ a", "phi_K": "n μ σ a", "V": "n μ σ c"}
+_QKV_C = {"Q": "n μ τ a", "K": "n μ σ a", "V": "n μ σ c"}
+_LAYER_GQA = {"X": "n τ i", "W": "(g C a) i", "W_O": "(g r) a i"}
+
+
+def variation_steps(s: dict[str, int]) -> list[Step]:
+    """The variations' true steps at ``s``: GQA, circuits, RoPE, the cache, linear."""
+    q = _gqa_sizes(s)
+    μ, g = q["μ"], q["g"]
+    even = {**s, "σ": s["τ"], "a": 2 * max(1, s["a"] // 2)}  # RoPE turns pairs
+    lin = {**s, "c": s["a"] + 3}
+    circuit = {k: v for k, v in q.items() if k not in "Bj"}  # fewer sizes: a wider exact span
+    prefix = {k: v for k, v in {**lin, "σ": s["τ"]}.items() if k in "nμτσac"}
+    return [
+        Step("GQA (g C a) layout = repeat-interleave reference", *_gqa_layers(μ, g), q,
+             exact=False, inputs=_LAYER_GQA),
+        Step("W_QK circuit = Q·K scores", *_circuit_scores(μ, g), circuit, exact=True,
+             inputs={"X": "n τ i", "W": "(g C a) i"}),
+        Step("W_OV circuit = A·V·W_O output", *_circuit_output(μ, g), circuit, exact=True,
+             inputs={"A": "n μ τ σ", "X": "n σ i", "W": "(g C a) i", "W_O": "μ a i"},
+             draws=8),
+        Step("RoPE (R1) rotation = Llama's rotate_half", *_rope_forms("half"), even,
+             exact=False, inputs={"T": "n μ τ a", "t": "n τ"}),
+        Step("RoPE (R2) rotation = GPT-J's rotate_every_two", *_rope_forms("interleaved"),
+             even, exact=False, inputs={"T": "n μ τ a", "t": "n τ"}),
+        Step("RoPE scores depend on t − s only (positions + 1000)", _rope_scores(1000),
+             _rope_scores(0), even, exact=False, inputs={"Q": "n μ τ a", "K": "n μ σ a"}),
+        Step("KV cache: prefill + token steps = one causal forward",
+             *_decode_forms(μ, g), {**q, "a": even["a"]}, exact=False, inputs=_LAYER_GQA),
+        Step("linear attention: (L1) as one equation = φ_Q (φ_Kᵀ V)", linear.NUMERATOR,
+             _linear_keys_first, lin, exact=True),
+        Step("causal linear attention: prefix sums (L4)–(L6) = masked weights",
+             _linear_prefix_sums, _linear_masked_weights, prefix, exact=True, inputs=_PHIS,
+             draws=8),
+        Step("linear attention = its quadratic form (no softmax)", *_linear_forms(False), lin,
+             exact=False, inputs=_QKV_C),
+        Step("causal linear attention = its causal quadratic form", *_linear_forms(True), lin,
+             exact=False, inputs=_QKV_C),
+    ]
+
+
+def variation_mutations(s: dict[str, int]) -> list[Step]:
+    """Plausible wrong steps of the variations."""
+    t = _gqa_sizes({**s, "μ": 6}, g=2)  # the two orders coincide when g = 1 or r = 1
+    return [
+        Step("tiled GQA heads (r g) read as grouped (g r)", *_tiled(t["μ"], t["g"]), t,
+             exact=False, inputs=_LAYER_GQA),
+        Step("causal linear attention with a strict prefix σ < τ", _linear_prefix_sums,
+             _linear_strict_prefix, {**s, "σ": s["τ"], "c": s["a"] + 3}, exact=True,
+             inputs=_PHIS),
+    ]
+
+
 # -- the registry ---------------------------------------------------------------------------
 
 def steps(sizes: dict[str, int] | None = None) -> list[Step]:
-    """Every true step of docs/derivation.md at ``sizes`` (default: the seed's trace)."""
+    """Every true step of docs/derivation.md at ``sizes`` (default: the seed's trace),
+    the variations' last."""
     s = default_sizes() if sizes is None else sizes
     self_sizes = {**s, "σ": s["τ"]}
     μ = s["μ"]
@@ -124,6 +326,7 @@ def steps(sizes: dict[str, int] | None = None) -> list[Step]:
              s, exact=False, inputs={"S": "n μ τ σ"}),
         Step("whole layer = reshape form", layer, reshape, self_sizes, exact=False,
              inputs={"X": "n τ i", "W": "(μ B a) i", "W_O": "μ a i"}),
+        *variation_steps(s),
     ]
 
 
@@ -162,4 +365,5 @@ def mutations(sizes: dict[str, int] | None = None) -> list[Step]:
              exact=False, inputs={"S": "n μ τ σ"}),
         Step("tiling (a μ) instead of interleaving (μ a)", "Y[n (μ a)] = T[n μ a]",
              "Y[n (a μ)] = T[n μ a]", s, exact=True),
+        *variation_mutations(s),
     ]

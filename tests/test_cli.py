@@ -50,7 +50,8 @@ def test_main_job_traces_every_stage_then_passes_every_step(capsys):
     assert "X (2, 5, 16)  W (48, 16)" in out and "self-attention, causal" in out
     for step in derivation.steps():
         assert re.search(rf"^PASS .* {re.escape(step.name)}$", out, flags=re.M), step.name
-    assert "FAIL" not in out and f"{len(derivation.steps())} steps: 7 PASS" in out
+    k = len(derivation.steps())
+    assert "FAIL" not in out and f"{k} steps: {k} PASS" in out
     assert "contraction order of 'scores as one four-operand contraction" in out
 
 
@@ -92,7 +93,8 @@ def test_a_wrong_step_fails_with_exit_status_1(capsys, monkeypatch, k):
     code, out, _ = run(capsys, "verify")
     assert code == 1
     assert re.search(rf"^FAIL .* {re.escape(wrong.name)}$", out, flags=re.M)
-    assert "8 steps: 7 PASS, 1 FAIL" in out
+    k = len(true_steps())
+    assert f"{k + 1} steps: {k} PASS, 1 FAIL" in out
 
 
 def test_main_job_fails_when_the_layer_disagrees_with_the_reference(capsys, monkeypatch):
@@ -223,7 +225,8 @@ def test_verify_exact_skips_the_float_steps(capsys):
 
 def test_verify_shows_the_contraction_order_opt_einsum_picks(capsys):
     _, doc = run_json(capsys, "verify")
-    (scores,) = doc["contractions"]
+    scores, linear = doc["contractions"]  # (2) as four operands; linear attention's (L1)
+    assert linear["step"].startswith("linear attention: (L1)")
     equation = Equation(scores["equation"])
     assert len(equation.terms) == 4 and scores["step"].startswith("scores as one four-operand")
     sizes = derivation.default_sizes()
@@ -341,7 +344,8 @@ def test_python_m_einattn_runs_the_main_job():
     done = subprocess.run([sys.executable, "-m", "einattn"], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "(2) SCORES" in done.stdout and "7 steps: 7 PASS" in done.stdout
+    k = len(derivation.steps())
+    assert "(2) SCORES" in done.stdout and f"{k} steps: {k} PASS" in done.stdout
     assert ANSI not in done.stdout  # a pipe is no terminal
 
 

@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from einattn import EinattnError, Equation
+from einattn import EinattnError, Equation, derivation
 from einattn.derivation import Step, default_sizes, mutations, steps
 from einattn.verify import assert_equivalent, check_equivalent
 
@@ -29,9 +29,21 @@ STEP_TOPICS = [
     "(μ B a) and (B μ a) related by a rearrangement",
     "additive causal M = boolean causal mask",
     "whole layer = reshape form",
+    "GQA (g C a) layout = repeat-interleave reference",
+    "W_QK circuit = Q·K scores",
+    "W_OV circuit = A·V·W_O output",
+    "RoPE (R1) rotation = Llama's rotate_half",
+    "RoPE (R2) rotation = GPT-J's rotate_every_two",
+    "RoPE scores depend on t − s only (positions + 1000)",
+    "KV cache: prefill + token steps = one causal forward",
+    "linear attention: (L1) as one equation = φ_Q (φ_Kᵀ V)",
+    "causal linear attention: prefix sums (L4)–(L6) = masked weights",
+    "linear attention = its quadratic form (no softmax)",
+    "causal linear attention = its causal quadratic form",
 ]
 MUTATION_TOPICS = ["swapped indices", "missing 1/√a scale", "wrong group order",
-                   "transposed W_O", "off-by-one causal mask", "tiling"]
+                   "transposed W_O", "off-by-one causal mask", "tiling (a μ)",
+                   "tiled GQA heads", "strict prefix"]
 
 
 def named(registry: list[Step], name: str) -> Step:
@@ -49,7 +61,7 @@ def cases(registry) -> list:
 
 def check(step: Step, exact: bool):
     return check_equivalent(step.lhs, step.rhs, step.sizes, exact=exact,
-                            inputs=step.inputs or None)
+                            inputs=step.inputs or None, draws=step.draws)
 
 
 def test_default_sizes_are_the_seed_trace():
@@ -115,9 +127,15 @@ def test_no_step_holds_vacuously(name):
 
 @pytest.mark.parametrize("label", list(SIZES))
 def test_steps_use_the_sizes_they_are_given(label):
+    """The derivation's own steps use the sizes as given (σ = τ for self-attention); the
+    variations' steps add their indices (g, r, C, c) and keep n, τ and i."""
     sizes = SIZES[label]
+    variations = derivation.variation_steps(sizes) + derivation.variation_mutations(sizes)
     for step in steps(sizes) + mutations(sizes):
-        assert step.sizes in (sizes, {**sizes, "σ": sizes["τ"]}), step.name
+        if step.name in {v.name for v in variations}:
+            assert all(step.sizes[k] == sizes[k] for k in "nτ"), step.name
+        else:
+            assert step.sizes in (sizes, {**sizes, "σ": sizes["τ"]}), step.name
 
 
 def test_the_steps_cover_the_derivation():
