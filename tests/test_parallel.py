@@ -1,0 +1,497 @@
+"""einattn.parallel: head-parallel attention on torch.distributed, on WORLD gloo processes
+on the CPU, checked against the single-process layer.
+
+The processes are started once for the module (spawning them costs more than every
+check together). Each runs every check of ``CHECKS`` in order and records, per check, its
+measured errors or its traceback; one pytest test per check then fails if any rank failed.
+Each rank builds its single-process reference from the same seed, so "equal to one
+process" is checked on every rank, in float64 at 1e-12 relative to scale.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import datetime
+import pickle
+import socket
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import TOL, randn
+from torch import nn
+
+import einattn
+from einattn import EinattnError, MultiHeadAttention
+from einattn import parallel as par
+
+WORLD = 2
+F64 = torch.float64
+# All sizes distinct where they meet (n, τ, σ, i, μ, a); a even, for RoPE; g = WORLD.
+N, L_Q, L_K, D, MU, A, G = 4, 7, 9, 11, 6, 10, 2
+BLOCK = 4  # chunked: several key blocks, the last one partial
+CHECKS: dict[str, object] = {}  # name -> check(mesh) -> {quantity: error}, run on every rank
+
+
+def check(fn=None, *, name=None):
+    CHECKS[name or fn.__name__] = fn
+    return fn
+
+
+# -- helpers on every rank ------------------------------------------------------------------
+
+def scaled_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max |actual − expected| / max(1, max |expected|)``, after checking shapes."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    scale = max(1.0, expected.abs().max().item())
+    return (actual - expected).abs().max().item() / scale
+
+
+def within(errors: dict[str, float]) -> dict[str, float]:
+    bad = {k: e for k, e in errors.items() if not e <= TOL[F64]}
+    assert not bad, f"errors above {TOL[F64]:g}: {bad}"
+    return errors
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+def make_layer(*, n_kv_heads=None, impl="einsum", rope=None, bias=True,
+               seed=0) -> MultiHeadAttention:
+    """A float64 layer with every parameter (biases too) random, the same on every rank."""
+    layer = MultiHeadAttention(D, MU, d_head=A, n_kv_heads=n_kv_heads, bias=bias,
+                               dtype=F64, impl=impl, block_size=BLOCK, rope=rope)
+    with torch.no_grad():
+        for k, p in enumerate(layer.parameters()):
+            p.copy_(randn(*p.shape, seed=seed * 10 + k) * p.shape[-1] ** -0.5)
+    return layer
+
+
+def inputs(options: str, *, seed: int = 1) -> dict:
+    """The call's tensors for a case: x (and context) requiring grad, masks, and the
+    cotangent T with which the loss is ⟨Y, T⟩."""
+    L_k = L_K if "context" in options else L_Q
+    call = {"x": randn(N, L_Q, D, seed=seed, requires_grad=True)}
+    if "context" in options:
+        call["context"] = randn(N, L_K, D, seed=seed + 1, requires_grad=True)
+    if "bool nμτσ" in options:
+        call["mask"] = randn(N, MU, L_Q, L_k, seed=seed + 2) > -0.6
+        call["mask"][0, 4, 2] = False  # a fully masked row in a head of rank 1
+    if "float nμτσ" in options:
+        m = randn(N, MU, L_Q, L_k, seed=seed + 3)
+        call["mask"] = m.masked_fill(randn(N, MU, L_Q, L_k, seed=seed + 4) < -0.8, -torch.inf)
+        call["mask"].requires_grad_()
+    if "float τσ" in options:  # one mask for every head: its gradient sums over all of them
+        m = randn(L_Q, L_k, seed=seed + 6)
+        call["mask"] = m.masked_fill(m < -1.0, -torch.inf).requires_grad_()
+    if "bool n1τσ" in options:
+        call["mask"] = randn(N, 1, L_Q, L_k, seed=seed + 5) > -0.6
+    if "padding" in options:
+        padding = torch.zeros(N, L_k, dtype=torch.bool)
+        padding[0, L_k // 2:] = True
+        call["key_padding_mask"] = padding
+    if "causal" in options:
+        call["causal"] = True
+    if "positions" in options:  # RoPE positions t[n τ]: each sample from its own offset
+        call["positions"] = torch.tensor([3, 0, 11, 5])[:, None] + torch.arange(L_Q)
+    return call
+
+
+def run(layer, call: dict, **extra):
+    return layer(call["x"], call.get("context"),
+                 **{k: v for k, v in call.items() if k not in ("x", "context")}, **extra)
+
+
+def rope_in(options: str) -> str | None:
+    return next((style for style in ("half", "interleaved") if style in options), None)
+
+
+def compare(mesh, *, n_kv_heads, impl, options) -> dict[str, float]:
+    """Output and the gradients of x, context, a float mask, W, W_O, b and b_O: sharded
+    vs one process."""
+    ref = make_layer(n_kv_heads=n_kv_heads, impl=impl, rope=rope_in(options))
+    lay = par.shard_heads(copy.deepcopy(ref), mesh)
+    assert lay.n_heads == MU and lay.n_local_heads == MU // WORLD
+    call_ref, call_lay = inputs(options), inputs(options)
+    T = randn(N, L_Q, D, seed=99)
+    Y_ref, Y_lay = run(ref, call_ref), run(lay, call_lay)
+    (Y_ref * T).sum().backward()
+    (Y_lay * T).sum().backward()
+    errors = {"Y": scaled_error(Y_lay, Y_ref)}
+    for name in ("x", "context", "mask"):
+        if name in call_ref and call_ref[name].requires_grad:
+            errors[f"d{name}"] = scaled_error(call_lay[name].grad, call_ref[name].grad)
+    for name in ("W", "W_O", "b", "b_O"):
+        grad = getattr(lay, name).grad
+        assert isinstance(grad, torch.distributed.tensor.DTensor)
+        assert grad.placements == (par.PLACEMENTS[name],)
+        errors[f"d{name}"] = scaled_error(grad.full_tensor(), getattr(ref, name).grad)
+    return within(errors)
+
+
+# (impl, n_kv_heads, what the call has); every impl with and without grouping.
+CASES = [
+    ("einsum", None, "causal"),
+    ("sdpa", None, "causal"),
+    ("chunked", None, "causal"),
+    ("einsum", G, "causal"),
+    ("sdpa", G, "causal"),
+    ("chunked", G, "causal"),
+    ("einsum", None, "context padding"),
+    ("sdpa", G, "context padding"),
+    ("chunked", None, "context bool nμτσ"),
+    ("einsum", G, "bool nμτσ causal"),
+    ("sdpa", None, "float nμτσ"),
+    ("chunked", G, "float nμτσ padding"),
+    ("sdpa", G, "bool n1τσ"),
+    ("einsum", G, "float τσ causal"),
+    ("chunked", None, "context float τσ"),
+    ("einsum", G, "half causal"),  # RoPE: "half" or "interleaved", default or given positions
+    ("sdpa", None, "interleaved positions causal"),
+    ("chunked", G, "half positions padding"),
+]
+for _impl, _g, _options in CASES:
+    check(partial(compare, n_kv_heads=_g, impl=_impl, options=_options),
+          name=f"forward_backward[{_impl}, n_kv_heads={_g}, {_options}]")
+
+
+@check
+def weights_and_intermediates(mesh):
+    """need_weights gives every head's A; return_intermediates every stage, gathered."""
+    errors = {}
+    for g in (None, G):
+        ref = make_layer(n_kv_heads=g)
+        lay = par.shard_heads(copy.deepcopy(ref), mesh)
+        call = inputs("context bool nμτσ")
+        _, A_ref = run(ref, call, need_weights=True)
+        _, A_lay = run(lay, call, need_weights=True, impl="sdpa")  # A exists on einsum only
+        errors[f"A, n_kv_heads={g}"] = scaled_error(A_lay, A_ref)
+        _, stages_ref = run(ref, call, return_intermediates=True)
+        _, stages_lay = run(lay, call, return_intermediates=True)
+        assert stages_lay.keys() == stages_ref.keys()
+        for name, t in stages_ref.items():
+            errors[f"{name}, n_kv_heads={g}"] = scaled_error(stages_lay[name], t)
+    return within(errors)
+
+
+@check
+def training_steps(mesh):
+    """Three SGD steps on the DTensor parameters keep the layer equal to one process."""
+    ref = make_layer(n_kv_heads=G, impl="sdpa")
+    lay = par.shard_heads(copy.deepcopy(ref), mesh)
+    optimisers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, lay)]
+    for step in range(3):
+        for m, opt in zip((ref, lay), optimisers, strict=True):
+            opt.zero_grad()
+            (run(m, inputs("causal", seed=step)) ** 2).mean().backward()
+            opt.step()
+    errors = {name: scaled_error(full(getattr(lay, name)).detach(), getattr(ref, name).detach())
+              for name in par.PLACEMENTS}
+    errors["Y"] = scaled_error(run(lay, inputs("causal")), run(ref, inputs("causal")))
+    return within(errors)
+
+
+@check
+def dropout_in_training(mesh):
+    """With dropout each rank drops weights of its own heads; the summed output is still
+    one tensor, the same on every rank, and backward runs."""
+    for impl in ("einsum", "sdpa"):
+        layer = make_layer(n_kv_heads=G, impl=impl)
+        layer.dropout = 0.3
+        lay = par.shard_heads(layer, mesh).train()
+        call = inputs("causal")
+        Y = run(lay, call)
+        Y.sum().backward()
+        everyone = [torch.empty_like(Y) for _ in range(WORLD)]
+        dist.all_gather(everyone, Y.detach())
+        assert all(torch.equal(e, Y) for e in everyone), "ranks disagree on Y"
+        assert not torch.allclose(Y, run(lay.eval(), inputs("causal")))
+        assert torch.isfinite(call["x"].grad).all() and torch.isfinite(lay.W.grad.to_local()).all()
+    return {}
+
+
+@check
+def sharding_is_by_whole_heads(mesh):
+    """Rank k's rows of W are heads [k·μ/w, (k+1)·μ/w) of the unsharded W[(μ B a) i]
+    (groups, with n_kv_heads); its slice of W_O is the same heads."""
+    rank = mesh.get_local_rank()
+    for g in (None, G):
+        ref = make_layer(n_kv_heads=g)
+        lay = par.shard_heads(copy.deepcopy(ref), mesh)
+        groups = g or MU
+        rows = ref.W.shape[0] // groups  # rows per group: C·a, or B·a = 3·a
+        local = range(rank * groups // WORLD, (rank + 1) * groups // WORLD)
+        assert torch.equal(lay.W.to_local(), ref.W[local.start * rows:local.stop * rows])
+        assert torch.equal(lay.b.to_local(), ref.b[local.start * rows:local.stop * rows])
+        assert lay.local_heads == range(rank * MU // WORLD, (rank + 1) * MU // WORLD)
+        assert torch.equal(lay.W_O.to_local(), ref.W_O[lay.local_heads.start:
+                                                       lay.local_heads.stop])
+        assert torch.equal(lay.b_O.to_local(), ref.b_O)
+        assert lay.n_local_kv_heads == groups // WORLD
+        assert isinstance(lay, par.HeadParallel) and isinstance(lay, MultiHeadAttention)
+        assert f"mesh size={WORLD}" in repr(lay)
+    return {}
+
+
+@check
+def gather_heads_and_projections(mesh):
+    """gather_heads returns the unsharded layer (RoPE and its base too); projections and
+    to_torch go through it."""
+    ref = make_layer(n_kv_heads=None, rope="interleaved")
+    ref.rope_base = 500.0
+    lay = par.shard_heads(copy.deepcopy(ref), mesh)
+    plain = par.gather_heads(lay)
+    assert type(plain) is MultiHeadAttention
+    assert (plain.rope, plain.rope_base) == ("interleaved", 500.0)
+    for name in par.PLACEMENTS:
+        assert torch.equal(getattr(plain, name), getattr(ref, name)), name
+    for a, b in zip(lay.projections(), ref.projections(), strict=True):
+        assert torch.equal(a, b)
+    call = inputs("causal")
+    errors = {"Y": scaled_error(run(plain, call), run(ref, call))}
+    torch.manual_seed(0)  # to_torch needs μ·a = d_model
+    narrow = MultiHeadAttention(12, 6, bias=True, dtype=F64)
+    mha = par.shard_heads(copy.deepcopy(narrow), mesh).to_torch()
+    for name, t in narrow.to_torch().state_dict().items():
+        assert torch.equal(mha.state_dict()[name], t), name
+    return within(errors)
+
+
+def _raised_in_parallel_py(call, match: str) -> set[int]:
+    """Run ``call``, which must raise EinattnError matching ``match``; the line numbers of
+    einattn/parallel.py in its traceback."""
+    with pytest.raises(EinattnError, match=match) as info:
+        call()
+    here = Path(par.__file__).resolve()
+    return {f.lineno for f in traceback.extract_tb(info.tb) if Path(f.filename).resolve() == here}
+
+
+def distributed_errors(mesh) -> dict[str, tuple[object, str]]:
+    """name -> (call, match) for the errors that need a mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def sharded():
+        return par.shard_heads(make_layer(), mesh)
+
+    return {
+        "μ not divisible": (lambda: par.shard_heads(MultiHeadAttention(9, 3), mesh),
+                            r"index 'μ' has size n_heads=3.*whole heads: 3 is not divisible "
+                            r"by the mesh size 2"),
+        "g not divisible": (lambda: par.shard_heads(MultiHeadAttention(12, 6, n_kv_heads=3),
+                                                    mesh),
+                            r"index 'g' has size n_kv_heads=3.*whole key/value groups \(of "
+                            r"r=2 query heads each\): 3 is not divisible by the mesh size 2"),
+        "one kv group": (lambda: par.shard_heads(MultiHeadAttention(12, 6, n_kv_heads=1), mesh),
+                         r"index 'g' has size n_kv_heads=1.*not divisible by the mesh size 2"),
+        "2-D mesh": (lambda: par.shard_heads(make_layer(),
+                                             init_device_mesh("cpu", (1, WORLD))),
+                     r"needs a 1-D device mesh, got 2-D \(1, 2\); pass the head-parallel"),
+        "already sharded": (lambda: par.shard_heads(sharded(), mesh),
+                            r"already sharded over a mesh of size 2; gather_heads"),
+        "per-head mask": (lambda: sharded()(randn(N, L_Q, D, seed=1),
+                                            mask=torch.ones(N, 4, L_Q, L_Q, dtype=torch.bool)),
+                          r"index 'μ' has size 4 in mask but 6 in the scores S\[n μ τ σ\] "
+                          r"\(all heads, before sharding\)"),
+    }
+
+
+@check
+def errors_with_a_mesh(mesh):
+    """Each raise that needs a mesh, with its message; returns the lines that raised."""
+    lines = set()
+    for call, match in distributed_errors(mesh).values():
+        lines |= _raised_in_parallel_py(call, match)
+    return {"raise lines": sorted(lines)}
+
+
+@check
+def data_parallel(mesh):
+    """An unsharded layer under DistributedDataParallel: each rank its half of the batch,
+    and both ranks end with the gradient of the whole batch (DDP averages)."""
+    rank = mesh.get_local_rank()
+    ref = make_layer(n_kv_heads=G, impl="sdpa")
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(ref))
+    call = inputs("causal padding")
+    T = randn(N, L_Q, D, seed=99)
+    half = slice(rank * N // WORLD, (rank + 1) * N // WORLD)
+    mine = {k: v[half] if k in ("x", "key_padding_mask") else v for k, v in call.items()}
+    (run(ddp, mine) * T[half]).sum().backward()
+    (run(ref, call) * T).sum().div(WORLD).backward()
+    errors = {}
+    for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters(), strict=True):
+        everyone = [torch.empty_like(p.grad) for _ in range(WORLD)]
+        dist.all_gather(everyone, p.grad)
+        assert all(torch.equal(e, everyone[0]) for e in everyone), f"d{name} differs by rank"
+        errors[f"d{name}"] = scaled_error(p.grad, q.grad)
+    return within(errors)
+
+
+@check
+def kv_cache_decode(mesh):
+    """Prefill, then one token at a time, with an einattn.KVCache on the sharded layer:
+    each rank caches its own groups' keys and values K[n g σ a], and the outputs equal the
+    unsharded layer's causal forward over the whole sequence. The last step's stages (K and
+    V: the whole cache) are gathered from the ranks and equal the unsharded layer's."""
+    rank, steps = mesh.get_local_rank(), 3
+    x = randn(N, L_Q + steps, D, seed=5)
+    padding = torch.zeros(N, L_Q + steps, dtype=torch.bool)
+    padding[1, :2] = True  # a left-padded prompt
+    errors = {}
+    for g, rope, impl in ((G, None, "sdpa"), (None, "half", "einsum"), (G, "half", "chunked")):
+        ref = make_layer(n_kv_heads=g, impl=impl, rope=rope)
+        lay = par.shard_heads(copy.deepcopy(ref), mesh)
+        case = f"n_kv_heads={g}, rope={rope}, {impl}"
+        whole = ref(x, causal=True, key_padding_mask=padding)
+        caches = {"ref": einattn.KVCache(), "sharded": einattn.KVCache()}
+        ys = [lay(x[:, :L_Q], causal=True, key_padding_mask=padding[:, :L_Q],
+                  cache=caches["sharded"])]
+        ref(x[:, :L_Q], causal=True, key_padding_mask=padding[:, :L_Q], cache=caches["ref"])
+        for t in range(L_Q, L_Q + steps - 1):
+            ys.append(lay(x[:, t:t + 1], causal=True, cache=caches["sharded"]))
+            ref(x[:, t:t + 1], causal=True, cache=caches["ref"])
+        last = {name: layer(x[:, -1:], causal=True, cache=caches[name],
+                            return_intermediates=True)[1]
+                for name, layer in (("ref", ref), ("sharded", lay))}
+        errors[f"Y, {case}"] = scaled_error(torch.cat([*ys, last["sharded"]["Y"]], dim=1),
+                                            whole)
+        groups = lay.n_local_kv_heads
+        mine = slice(rank * groups, (rank + 1) * groups)
+        for name in ("K", "V"):
+            held = getattr(caches["sharded"], name)
+            assert held.shape == (N, groups, L_Q + steps, A), held.shape
+            errors[f"cached {name}, {case}"] = scaled_error(
+                held, getattr(caches["ref"], name)[:, mine])
+        for name, t in last["ref"].items():
+            errors[f"last step {name}, {case}"] = scaled_error(last["sharded"][name], t)
+    return within(errors)
+
+
+@check
+def hooks_of_the_user(mesh):
+    """The user's hooks, registered before sharding, see what the unsharded layer sees:
+    a pre-hook the caller's x, a forward hook the whole layer's Y (not one rank's part)."""
+    ref = make_layer(n_kv_heads=G)
+    layer = copy.deepcopy(ref)
+    seen = {}
+    layer.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    layer.register_forward_hook(lambda m, args, out: seen.setdefault("Y", out))
+    lay = par.shard_heads(layer, mesh)
+    call = inputs("causal")
+    Y = run(lay, call)
+    assert seen["x"] is call["x"] and seen["Y"] is Y
+    return within({"Y": scaled_error(Y, run(ref, call))})
+
+
+# -- the processes --------------------------------------------------------------------------
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=60))  # a hung check fails
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for name, fn in CHECKS.items():
+        start = time.perf_counter()
+        try:
+            results[name] = ("ok", fn(mesh))
+        except pytest.skip.Exception as e:
+            results[name] = ("skipped", str(e))
+        except Exception:
+            results[name] = ("failed", traceback.format_exc())
+        results[name] += (time.perf_counter() - start,)
+    with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Every check's (status, detail, seconds) on each rank, from one set of processes."""
+    out = tmp_path_factory.mktemp("parallel")
+    context = mp.start_processes(_worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + 600
+    while not context.join(timeout=5):  # a rank that raises re-raises here
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail("the gloo processes did not finish in 600 s")
+    results = []
+    for k in range(WORLD):
+        with open(out / f"rank{k}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_on_every_rank(ranks, name):
+    for k, results in enumerate(ranks):
+        status, detail, seconds = results[name]
+        if status == "skipped":
+            pytest.skip(detail)
+        assert status == "ok", f"rank {k} of {WORLD}:\n{detail}"
+        print(f"rank {k} {name} ({seconds:.2f} s): {detail}")
+
+
+# -- in this process ------------------------------------------------------------------------
+
+SINGLE_PROCESS_ERRORS = {
+    "not a layer": (lambda: par.shard_heads(nn.Linear(3, 3), None),
+                    r"shard_heads needs an einattn.MultiHeadAttention, got Linear"),
+    "not a mesh": (lambda: par.shard_heads(MultiHeadAttention(8, 2), [0, 1]),
+                   r"device_mesh must be a torch.distributed DeviceMesh, got list"),
+    "gather unsharded": (lambda: par.gather_heads(MultiHeadAttention(8, 2)),
+                         r"gather_heads needs a layer sharded by shard_heads, got "
+                         r"MultiHeadAttention"),
+}
+
+
+def test_forward_is_the_layers_own():
+    """The sharded layer has no forward of its own, so it takes every argument of
+    MultiHeadAttention.forward (cache=, positions=, ...), now and after any that is added;
+    a subclass of the layer keeps its own forward too."""
+    assert "forward" not in vars(par.HeadParallel)
+    assert par._head_parallel_class(MultiHeadAttention).forward is MultiHeadAttention.forward
+
+    class Mine(MultiHeadAttention):
+        def forward(self, x, *, scale: float = 1.0):
+            return super().forward(x) * scale
+
+    assert par._head_parallel_class(Mine).forward is Mine.forward
+
+
+@pytest.mark.parametrize("name", list(SINGLE_PROCESS_ERRORS))
+def test_bad_input_raises_einattn_error(name):
+    call, match = SINGLE_PROCESS_ERRORS[name]
+    _raised_in_parallel_py(call, match)
+
+
+def test_every_raise_site_in_parallel_py_is_reached(ranks):
+    """STYLE §4: each ``raise`` in einattn/parallel.py has a ``pytest.raises`` test, here
+    or on the ranks."""
+    reached = set()
+    for call, match in SINGLE_PROCESS_ERRORS.values():
+        reached |= _raised_in_parallel_py(call, match)
+    for results in ranks:
+        status, detail, _ = results["errors_with_a_mesh"]
+        assert status == "ok", detail
+        reached |= set(detail["raise lines"])
+    tree = ast.parse(Path(par.__file__).read_text(encoding="utf-8"))
+    sites = {node.lineno for node in ast.walk(tree) if isinstance(node, ast.Raise)}
+    assert sites - reached == set(), f"raise sites with no test: lines {sorted(sites - reached)}"
