@@ -29,8 +29,9 @@ OV_CIRCUIT = Equation("W_OV[(g r) i j] = W_V[g a i] W_O[(g r) a j]")
 
 
 def qk_circuit(W: torch.Tensor, *, n_heads: int, n_kv_heads: int | None = None) -> torch.Tensor:
-    """``W_QK[(g r) i j] = W_Q[(g r) a i] W_K[g a j]``: each query head's bilinear form on
-    the model width, from the fused ``W[(g C a) i]``; shape ``(n_heads, d_model, d_model)``.
+    """Equation (C1), ``W_QK[(g r) i j] = W_Q[(g r) a i] W_K[g a j]``: each query head's
+    bilinear form on the model width, from the fused ``W[(g C a) i]``; shape
+    ``(n_heads, d_model, d_model)``.
 
     ``S[n μ τ σ] = X[n τ i] W_QK[μ i j] X[n σ j] / √a`` for a layer without biases.
 
@@ -45,9 +46,9 @@ def qk_circuit(W: torch.Tensor, *, n_heads: int, n_kv_heads: int | None = None) 
 
 def ov_circuit(W: torch.Tensor, W_O: torch.Tensor, *, n_heads: int,
                n_kv_heads: int | None = None) -> torch.Tensor:
-    """``W_OV[(g r) i j] = W_V[g a i] W_O[(g r) a j]``: what each head writes to model
-    channel j per unit of model channel i at the position it attends to, from the fused
-    ``W[(g C a) i]`` and ``W_O[μ a j]``; shape ``(n_heads, d_model, d_model)``.
+    """Equation (C2), ``W_OV[(g r) i j] = W_V[g a i] W_O[(g r) a j]``: what each head
+    writes to model channel j per unit of model channel i at the position it attends to,
+    from the fused ``W[(g C a) i]`` and ``W_O[μ a j]``; shape ``(n_heads, d_model, d_model)``.
 
     ``Y[n τ j] = A[n μ τ σ] X[n σ i] W_OV[μ i j]`` for a layer without biases.
 

@@ -68,7 +68,9 @@ def rotations(t: torch.Tensor, *, d_head: int, base: float,
 
 
 def rotate(T: torch.Tensor, R: torch.Tensor, style: str) -> torch.Tensor:
-    """(R1) or (R2): every head of ``T[n μ τ a]`` turned by ``R[n τ p h k]``.
+    """Every head of ``T[n μ τ a]`` turned by ``R[n τ p h k]``: ``style="half"`` runs (R1),
+    ``T_rot[n μ τ (h p)] = R[n τ p h k] T[n μ τ (k p)]``; ``"interleaved"`` runs (R2),
+    ``T_rot[n μ τ (p h)] = R[n τ p h k] T[n μ τ (p k)]``.
 
     >>> T = torch.tensor([[[[1.0, 0.0]]]])  # one pair (h = 0, 1) at position t = 1
     >>> R = rotations(torch.tensor([[1]]), d_head=2, base=10000.0, dtype=torch.float32)

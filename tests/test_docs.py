@@ -4,6 +4,7 @@ docs/*.md runs."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 import unicodedata
@@ -30,6 +31,16 @@ STAGES = [
     ("2g", "SCORES_GQA", "attention_scores"),
     ("4g", "VALUES_GQA", "weighted_values"),
 ]
+# The variations' equations shown in docs/derivation.md: (tag, module, constant, function).
+VARIATIONS = [
+    ("R1", "rotary", "ROTATE_HALF", "rotate"),
+    ("R2", "rotary", "ROTATE_INTERLEAVED", "rotate"),
+    ("L1", "linear", "NUMERATOR", "numerator"),
+    ("L2", "linear", "NORMALISER", "normaliser"),
+    ("C1", "circuits", "QK_CIRCUIT", "qk_circuit"),
+    ("C2", "circuits", "OV_CIRCUIT", "ov_circuit"),
+]
+SHOWN = [(tag, "functional", c, f) for tag, c, f in STAGES] + VARIATIONS
 
 # The only display equations allowed without an Equation behind them: name -> (tag, LaTeX).
 HAND_WRITTEN = {
@@ -47,9 +58,13 @@ TAG = re.compile(r"\s*\\tag\{([^}]*)\}$")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 
 
-def text_of(constant: str) -> str:
-    value = getattr(F, constant)
+def text_of(constant: str, module: str = "functional") -> str:
+    value = getattr(importlib.import_module(f"einattn.{module}"), constant)
     return value.text if isinstance(value, Equation) else value
+
+
+def latex_of(module: str, constant: str) -> str:
+    return getattr(importlib.import_module(f"einattn.{module}"), constant).latex()
 
 
 def displays(doc: str) -> list[tuple[int, int, str, str | None]]:
@@ -65,7 +80,7 @@ def displays(doc: str) -> list[tuple[int, int, str, str | None]]:
 
 def equation_problems(doc: str) -> list[str]:
     """Every way the display equations of ``doc`` disagree with einattn.functional."""
-    expected = {getattr(F, c).latex(): tag for tag, c, _ in STAGES if c != "SOFTMAX"}
+    expected = {latex_of(m, c): tag for tag, m, c, _ in SHOWN if c != "SOFTMAX"}
     expected |= {latex: tag for tag, latex in HAND_WRITTEN.values()}
     found = displays(doc)
     problems = [f"hand-written display {name!r} is not in the doc" for name, (_, latex)
@@ -76,21 +91,21 @@ def equation_problems(doc: str) -> list[str]:
         elif expected[latex] != tag:
             problems.append(f"{latex} is tagged ({tag}), expected ({expected[latex]})")
     tags = [tag for *_, tag in found if tag]
-    if tags != [tag for tag, _, _ in STAGES]:
-        problems.append(f"equation numbers {tags}, expected {[tag for tag, _, _ in STAGES]}")
+    if tags != [tag for tag, *_ in SHOWN]:
+        problems.append(f"equation numbers {tags}, expected {[tag for tag, *_ in SHOWN]}")
     tagged = [(start, end, tag) for start, end, _, tag in found if tag]
     for k, (_, end, tag) in enumerate(tagged):
-        stage = next((s for s in STAGES if s[0] == tag), None)
+        stage = next((s for s in SHOWN if s[0] == tag), None)
         if stage is None:
             continue
-        _, constant, function = stage
+        _, module, constant, function = stage
         section = doc[end: tagged[k + 1][0] if k + 1 < len(tagged) else len(doc)]
         block = FENCE.search(section)  # the first code block after the equation
-        if block is None or block.group(2).strip() != text_of(constant):
+        if block is None or block.group(2).strip() != text_of(constant, module):
             problems.append(f"({tag}) is not followed by a code block holding {constant}: "
-                            f"{text_of(constant)}")
-        if f"einattn.functional.{function}(" not in section:
-            problems.append(f"({tag}) does not name einattn.functional.{function}")
+                            f"{text_of(constant, module)}")
+        if f"einattn.{module}.{function}(" not in section:
+            problems.append(f"({tag}) does not name einattn.{module}.{function}")
     return problems
 
 
@@ -137,12 +152,18 @@ def test_an_edited_equation_in_the_code_is_caught(monkeypatch):
     assert equation_problems(doc)
 
 
-@pytest.mark.parametrize("tag, constant, function", STAGES)
-def test_stage_docstring_quotes_its_equation(tag, constant, function):
-    doc = inspect.getdoc(getattr(F, function))
+@pytest.mark.parametrize("tag, module, constant, function", SHOWN)
+def test_stage_docstring_quotes_its_equation(tag, module, constant, function):
+    doc = inspect.getdoc(getattr(importlib.import_module(f"einattn.{module}"), function))
     number = tag.rstrip("abc")  # (5a) splits (5): its function names (5)
     assert f"({number})" in doc
-    assert text_of(constant) in doc
+    assert text_of(constant, module) in doc
+
+
+def test_every_rotation_equation_is_shown():
+    from einattn import rotary
+    constants = {name for name, v in vars(rotary).items() if isinstance(v, Equation)}
+    assert constants == {c for _, m, c, _ in VARIATIONS if m == "rotary"}
 
 
 @pytest.mark.parametrize("tag, constant", [(t, c) for t, c, _ in STAGES if t.isdigit()])
