@@ -203,3 +203,16 @@ ERRORS = {
 def test_bad_rope_input_raises(call, message):
     with pytest.raises(EinattnError, match=message):
         call()
+
+
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+def test_compiled_with_rope_and_groups_equals_eager(impl):
+    """``torch.compile(fullgraph=True)`` traces the rotation (aot_eager: no Inductor build)."""
+    torch._dynamo.reset()
+    layer = MultiHeadAttention(D, H, n_kv_heads=2, rope="interleaved", causal=True,
+                               impl=impl, dtype=F64)
+    x = randn(N, L, D, seed=14)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    positions = torch.arange(L) + 7
+    assert_close_scaled(compiled(x, positions=positions), layer(x, positions=positions),
+                        TOL[F64])
