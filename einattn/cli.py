@@ -3,7 +3,7 @@
     einattn                  the main job: ``einattn trace --causal``, then ``einattn verify``
     einattn trace [sizes]    each stage's equation, einsum, shapes, FLOPs, largest intermediate
     einattn verify [sizes]   every derivation step checked, and the scores' contraction order
-    einattn latex            equations (1)–(5) and (5a) as LaTeX
+    einattn latex            equations (1)–(5), (5a), (1g), (2g), (4g) as LaTeX
     einattn bench            the benchmark: timings, compile, peak memory, targets
 
 Every subcommand takes ``--json``. A subcommand is one function registered with
@@ -32,7 +32,7 @@ SEED = 0
 # The equations of einattn.functional by constant, with their numbers in docs/derivation.md.
 # (5a) is (5) before the sum over μ: in the LaTeX, not in the trace.
 EQUATIONS = {"PROJECT": "1", "SCORES": "2", "SOFTMAX": "3", "VALUES": "4", "HEADS": "5",
-             "HEAD_TERMS": "5a"}
+             "HEAD_TERMS": "5a", "PROJECT_GQA": "1g", "SCORES_GQA": "2g", "VALUES_GQA": "4g"}
 SOFTMAX_LATEX = (r"A_{n \mu \tau \sigma} = \operatorname{softmax}_{\sigma}"
                  r"\left(S_{n \mu \tau \sigma} + M_{n \mu \tau \sigma}\right)")
 
@@ -186,32 +186,37 @@ def _shapes(**tensors: torch.Tensor | None) -> dict[str, tuple[int, ...]]:
 
 def trace(sizes: dict[str, int], *, cross: bool, causal: bool, seed: int = SEED) -> list[Stage]:
     """Run equations (1)–(5) of :mod:`einattn.functional` one at a time on seeded float64
-    input, and explain each contraction at the shapes it ran on."""
+    input, and explain each contraction at the shapes it ran on; with ``sizes["g"]`` below
+    the head count, grouped-query attention's (1g), (2g) and (4g)."""
     n, L_q, L_k, d_model, n_heads, d_head = (sizes[k] for k in ("n", "τ", "σ", "i", "μ", "a"))
-    g = torch.Generator().manual_seed(seed)
+    groups = sizes.get("g", n_heads)
+    r = n_heads // groups
+    generator = torch.Generator().manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64) / math.sqrt(shape[-1])
+        return torch.randn(*shape, generator=generator, dtype=torch.float64) / math.sqrt(
+            shape[-1])
 
     X = draw(n, L_q, d_model)
     C = draw(n, L_k, d_model) if cross else None  # the context C[n σ i]
-    W, W_O = draw(3 * n_heads * d_head, d_model), draw(n_heads, d_head, d_model)
-    Q, K, V = functional.project_qkv(X, W, n_heads=n_heads, context=C)
+    W, W_O = draw(groups * (r + 2) * d_head, d_model), draw(n_heads, d_head, d_model)
+    Q, K, V = functional.project_qkv(X, W, n_heads=n_heads, n_kv_heads=groups, context=C)
     M = functional.attention_mask(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=X.dtype,
                                   device=X.device, causal=causal)
     S = functional.attention_scores(Q, K)
     A = functional.masked_softmax(S, M)
     Z = functional.weighted_values(A, V)
     Y = functional.combine_heads(Z, W_O)
-    # Self-attention projects Q, K and V (B = 3) from X; cross-attention Q (B = 1) from X
-    # and K, V (B = 2) from C: the same equation, run twice.
-    projected = [(X, 3)] if C is None else [(X, 1), (C, 2)]
-    runs = [{"X": tuple(x.shape), "W": (n_heads, B, d_head, d_model)} for x, B in projected]
+    # Self-attention projects Q, K and V (B = 3, or C = r + 2 slots per group) from X;
+    # cross-attention Q (r slots) from X and K, V (2) from C: the same equation, run twice.
+    projected = [(X, r + 2)] if C is None else [(X, r), (C, 2)]
+    runs = [{"X": tuple(x.shape), "W": (groups, B, d_head, d_model)} for x, B in projected]
+    gqa = "_GQA" if r > 1 else ""
     return [
-        _stage("PROJECT", _shapes(X=X, C=C, W=W), _shapes(Q=Q, K=K, V=V), runs),
-        _stage("SCORES", _shapes(Q=Q, K=K), _shapes(S=S)),
+        _stage("PROJECT" + gqa, _shapes(X=X, C=C, W=W), _shapes(Q=Q, K=K, V=V), runs),
+        _stage("SCORES" + gqa, _shapes(Q=Q, K=K), _shapes(S=S)),
         _stage("SOFTMAX", _shapes(S=S, M=M), _shapes(A=A)),
-        _stage("VALUES", _shapes(A=A, V=V), _shapes(Z=Z)),
+        _stage("VALUES" + gqa, _shapes(A=A, V=V), _shapes(Z=Z)),
         _stage("HEADS", _shapes(Z=Z, W_O=W_O), _shapes(Y=Y)),
     ]
 
@@ -389,7 +394,8 @@ def verify_output(sizes: dict[str, int], *, exact_only: bool, paint: Paint) -> O
 # -- latex -----------------------------------------------------------------------------------
 
 def latex_equations() -> list[dict]:
-    """Equations (1)–(5) and (5a): number, name, equation string and LaTeX."""
+    """Equations (1)–(5), (5a) and grouped-query (1g), (2g), (4g): number, name, equation
+    string and LaTeX."""
     found = []
     for name, number in EQUATIONS.items():
         equation = getattr(functional, name)
@@ -445,7 +451,7 @@ def size_options(parser: argparse.ArgumentParser) -> None:
     add("--heads", type=_positive, default=4, metavar="H", help="index μ; d_head (index a) "
         "is d_model / heads (default 4)")
     add("--kv-heads", type=_positive, metavar="G", help="index g, key/value heads: "
-        "grouped-query attention is a later issue, so only G = heads is accepted")
+        "grouped-query attention with heads / G query heads per group (default: heads)")
 
 
 def causal_option(parser: argparse.ArgumentParser) -> None:
@@ -463,10 +469,11 @@ def sizes_of(args: argparse.Namespace) -> dict[str, int]:
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}: "
                          f"each head gets d_head = d_model / heads channels (index a)")
-    if args.kv_heads is not None and args.kv_heads != args.heads:
-        raise UsageError(f"--kv-heads {args.kv_heads} differs from --heads {args.heads}: "
-                         f"grouped-query attention is not implemented yet")
-    return derivation.default_sizes(args.batch, args.seq, args.d_model, args.heads, args.seq_k)
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        raise UsageError(f"--heads {args.heads} is not a multiple of --kv-heads "
+                         f"{args.kv_heads}: query head μ = (g r) needs r = heads / G whole")
+    sizes = derivation.default_sizes(args.batch, args.seq, args.d_model, args.heads, args.seq_k)
+    return sizes if args.kv_heads is None else {**sizes, "g": args.kv_heads}
 
 
 @command("trace", "the stage table: each stage's equation, einsum, shapes, FLOPs and "
@@ -482,7 +489,7 @@ def verify_command(args: argparse.Namespace, paint: Paint) -> Output:
     return verify_output(sizes_of(args), exact_only=args.exact, paint=paint)
 
 
-@command("latex", "the derivation's equations (1)–(5) and (5a) as LaTeX")
+@command("latex", "the derivation's equations (1)–(5), (5a) and (1g), (2g), (4g) as LaTeX")
 def latex_command(args: argparse.Namespace, paint: Paint) -> Output:
     equations = latex_equations()
     lines = [f"$$\n{e['latex']} \\tag{{{e['number']}}}\n$$" for e in equations]

@@ -106,9 +106,9 @@ def _layers(n_heads: int, causal: bool):
 # -- the variations: grouped-query attention, circuits, RoPE, the KV cache, linear ----------
 
 def _gqa_sizes(s: dict[str, int], g: int | None = None) -> dict[str, int]:
-    """Self-attention sizes with μ = (g r): by default g = μ/2 groups of r = 2 (μ even), or
-    one group (multi-query) for odd μ."""
-    g = (s["μ"] // 2 if s["μ"] % 2 == 0 else 1) if g is None else g
+    """Self-attention sizes with μ = (g r): ``g``, else ``s["g"]``, else μ/2 groups of r = 2
+    (μ even) or one group (multi-query) for odd μ."""
+    g = g or s.get("g") or (s["μ"] // 2 if s["μ"] % 2 == 0 else 1)
     r = s["μ"] // g
     return {**s, "σ": s["τ"], "g": g, "r": r, "C": r + 2}
 

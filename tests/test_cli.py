@@ -124,7 +124,8 @@ BAD_ARGUMENTS = {
     "not a number": (["trace", "--batch", "two"], "'two' is not an integer"),
     "unknown subcommand": (["train"], "invalid choice: 'train'"),
     "option of another subcommand": (["latex", "--seq", "3"], "unrecognized arguments"),
-    "grouped-query": (["trace", "--kv-heads", "2"], "grouped-query attention is not"),
+    "kv heads not dividing": (["trace", "--kv-heads", "3"],
+                              "--heads 4 is not a multiple of --kv-heads 3"),
 }
 
 
@@ -138,6 +139,20 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
 
 def test_kv_heads_equal_to_heads_is_accepted(capsys):
     assert run(capsys, "trace", *SMALL, "--kv-heads", "2")[0] == 0
+
+
+@pytest.mark.parametrize("cross", [[], ["--seq-k", "7"]], ids=["self", "cross"])
+def test_kv_heads_trace_the_grouped_equations(capsys, cross):
+    """--heads 6 --kv-heads 2: W[(g C a) i] with g = 2, C = 5, a = 4; K and V have 2 heads."""
+    _, doc = run_json(capsys, "trace", "--heads", "6", "--d-model", "24", "--kv-heads", "2",
+                      *cross)
+    names = [stage["name"] for stage in doc["stages"]]
+    assert names == ["PROJECT_GQA", "SCORES_GQA", "SOFTMAX", "VALUES_GQA", "HEADS"]
+    project = doc["stages"][0]
+    assert project["inputs"]["W"] == [40, 24] and project["outputs"]["K"][1] == 2
+    assert project["outputs"]["Q"][1] == 6
+    code, out, _ = run(capsys, "verify", "--heads", "6", "--d-model", "24", "--kv-heads", "3")
+    assert code == 0 and "GQA (g C a) layout" in out
 
 
 @pytest.mark.parametrize("step", [
@@ -253,7 +268,7 @@ def test_latex_prints_every_equation_numbered_as_in_the_derivation(capsys):
     assert code == 0
     derivation_md = (ROOT / "docs" / "derivation.md").read_text(encoding="utf-8")
     blocks = out.strip().split("\n\n")
-    assert len(blocks) == 6
+    assert len(blocks) == 9  # (1)–(5), (5a), and grouped-query (1g), (2g), (4g)
     for block, (name, number) in zip(blocks, cli.EQUATIONS.items(), strict=True):
         equation = getattr(functional, name)
         latex = equation.latex() if isinstance(equation, Equation) else cli.SOFTMAX_LATEX
@@ -264,7 +279,8 @@ def test_latex_prints_every_equation_numbered_as_in_the_derivation(capsys):
 def test_latex_json(capsys):
     code, doc = run_json(capsys, "latex")
     assert code == 0
-    assert [e["number"] for e in doc["equations"]] == ["1", "2", "3", "4", "5", "5a"]
+    assert [e["number"] for e in doc["equations"]] == ["1", "2", "3", "4", "5", "5a", "1g", "2g",
+                                                       "4g"]
     assert doc["equations"][1]["latex"] == functional.SCORES.latex()
 
 
