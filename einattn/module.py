@@ -175,10 +175,7 @@ class MultiHeadAttention(nn.Module):
                 raise EinattnError(f"{name} has shape {tuple(t.shape)} but {name}{pattern} needs "
                                    f"{want}: from W_q, i = d_model = {d_model} and "
                                    f"(μ a) = {rows}; (g a) = {kv}")
-        fixed = {"d_head", "bias", "device", "dtype"} & set(layer_options)
-        if fixed:
-            raise EinattnError(f"from_projections takes {', '.join(sorted(fixed))} from the "
-                               f"weights; pass .to(...) on the result to change dtype or device")
+        _check_fixed("from_projections", layer_options)
         bias = any(v is not None for v in (b_q, b_k, b_v, b_o))
         layer = cls(d_model, n_heads, d_head=d_head, n_kv_heads=g, bias=bias,
                     device=W_q.device, dtype=W_q.dtype, **layer_options)
@@ -191,6 +188,35 @@ class MultiHeadAttention(nn.Module):
                 b_k, b_v = (W_q.new_zeros(kv) if v is None else v for v in (b_k, b_v))
                 layer.b.copy_(layouts.fuse_qkv(b_q, b_k, b_v, **heads))
                 layer.b_O.copy_(W_o.new_zeros(d_model) if b_o is None else b_o)
+        return layer
+
+    @classmethod
+    def from_fused(cls, W: torch.Tensor, W_O: torch.Tensor, b: torch.Tensor | None = None,
+                   b_O: torch.Tensor | None = None, *, n_kv_heads: int | None = None,
+                   **layer_options) -> MultiHeadAttention:
+        """A layer holding copies of einattn's own weights: ``W[(μ B a) i]`` (or
+        ``W[(g C a) i]`` with ``n_kv_heads``), ``W_O[μ a i]`` and the biases ``b``, ``b_O``
+        (or None); ``n_heads``, ``d_head`` and ``d_model`` are read from ``W_O``."""
+        if not isinstance(W_O, torch.Tensor) or W_O.ndim != 3:
+            shape = tuple(W_O.shape) if isinstance(W_O, torch.Tensor) else type(W_O).__name__
+            raise EinattnError(f"W_O must be 3-D W_O[μ a i], got {shape}")
+        n_heads, d_head, d_model = W_O.shape
+        _check_fixed("from_fused", layer_options)
+        layer = cls(d_model, n_heads, d_head=d_head, n_kv_heads=n_kv_heads,
+                    bias=b is not None or b_O is not None, device=W_O.device, dtype=W_O.dtype,
+                    **layer_options)
+        given = {"W": W, "W_O": W_O, "b": b, "b_O": b_O}
+        for name, t in given.items():
+            want = getattr(layer, name)
+            if want is not None and (not isinstance(t, torch.Tensor) or t.shape != want.shape):
+                have = tuple(t.shape) if isinstance(t, torch.Tensor) else t
+                raise EinattnError(f"{name} has shape {have} but this layer's {name} needs "
+                                   f"{tuple(want.shape)}: from W_O, μ={n_heads}, a={d_head}, "
+                                   f"i={d_model}; g={layer.n_kv_heads}")
+        with torch.no_grad():
+            for name, t in given.items():
+                if getattr(layer, name) is not None:
+                    getattr(layer, name).copy_(t)
         return layer
 
     def projections(self) -> Projections:
@@ -248,6 +274,13 @@ class MultiHeadAttention(nn.Module):
 def _check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise EinattnError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_fixed(method: str, layer_options: dict) -> None:
+    fixed = {"d_head", "bias", "device", "dtype"} & set(layer_options)
+    if fixed:
+        raise EinattnError(f"{method} takes {', '.join(sorted(fixed))} from the weights; pass "
+                           f".to(...) on the result to change dtype or device")
 
 
 def _check_impl(impl: str) -> str:

@@ -187,12 +187,7 @@ def merged(z):  # (n, heads, L, a) -> (n, L, heads·a)
 
 
 def layer_from(W, b, W_O, b_O, *, n_kv_heads=None, causal=True):
-    layer = MultiHeadAttention(W.shape[1], W_O.shape[0], d_head=W_O.shape[1],
-                               n_kv_heads=n_kv_heads, bias=b is not None, causal=causal,
-                               dtype=W.dtype)
-    state = {"W": W, "W_O": W_O} | ({"b": b, "b_O": b_O} if b is not None else {})
-    layer.load_state_dict(state)
-    return layer
+    return MultiHeadAttention.from_fused(W, W_O, b, b_O, n_kv_heads=n_kv_heads, causal=causal)
 
 
 @pytest.mark.parametrize("tail", [(D,), ()], ids=["weight", "bias"])

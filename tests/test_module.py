@@ -590,3 +590,19 @@ def test_gradcheck_every_input_and_parameter():
                                           (x, c), {"mask": mask, "causal": True})
 
     assert torch.autograd.gradcheck(f, (x, c, W, W_O, b, b_O))
+
+
+@pytest.mark.parametrize("n_kv_heads, bias", [(None, True), (2, False), (1, True)])
+def test_from_fused_holds_copies_of_the_fused_weights(n_kv_heads, bias):
+    torch.manual_seed(3)
+    layer = MultiHeadAttention(24, 6, d_head=5, n_kv_heads=n_kv_heads, bias=bias, causal=True,
+                               dtype=torch.float64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    copy = MultiHeadAttention.from_fused(layer.W, layer.W_O, layer.b, layer.b_O,
+                                         n_kv_heads=n_kv_heads, causal=True)
+    assert (copy.n_heads, copy.d_head, copy.n_kv_heads) == (6, 5, layer.n_kv_heads)
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    assert torch.equal(copy(x), layer(x))
+    assert copy.W.data_ptr() != layer.W.data_ptr()  # a copy, not a view of the other's
