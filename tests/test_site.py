@@ -1,0 +1,126 @@
+"""The documentation site builds: ``mkdocs build --strict`` passes (no missing page, link,
+heading or API object), every page of docs/ is in the navigation, the math reaches the
+browser as arithmatex blocks for KaTeX, and the API page shows the docstrings' examples as
+code. Built once per run, offline, into a temporary folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from html import unescape
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+CONFIG = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def nav_pages(nav) -> list[str]:
+    pages = []
+    for entry in nav:
+        for value in entry.values() if isinstance(entry, dict) else [entry]:
+            pages += nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def test_nav_lists_every_page_once():
+    pages = nav_pages(CONFIG["nav"])
+    assert len(pages) == len(set(pages))
+    assert set(pages) == {p.name for p in DOCS.glob("*.md")}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner about its future
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert build.returncode == 0, build.stderr
+    return out
+
+
+def page(site: Path, name: str) -> str:
+    return (site / name / "index.html").read_text(encoding="utf-8")
+
+
+def test_strict_build_writes_every_page(site):
+    for name in nav_pages(CONFIG["nav"]):
+        stem = Path(name).stem
+        assert (site / ("index.html" if stem == "index" else f"{stem}/index.html")).exists()
+    assert (site / "img" / "tiny_lm_attention.png").exists()
+
+
+def test_display_equations_reach_katex_with_their_numbers(site):
+    html = page(site, "derivation")
+    blocks = [unescape(b) for b in re.findall(r'<div class="arithmatex">(.*?)</div>', html,
+                                                 flags=re.S)]
+    tags = [t for b in blocks for t in re.findall(r"\\tag\{([^}]*)\}", b)]
+    assert tags[:5] == ["1", "2", "3", "4", "5"]
+    assert all(b.strip().startswith(r"\[") and b.strip().endswith(r"\]") for b in blocks)
+    assert r'<span class="arithmatex">\(d_a\)</span>' in html  # inline math too
+    assert "$$" not in re.sub(r"<pre.*?</pre>", "", html, flags=re.S)
+    assert "javascripts/katex.js" in html and "katex.min.js" in html
+
+
+def test_api_page_shows_docstrings_with_examples_as_code(site):
+    html = page(site, "api")
+    for name in ["einattn.module.MultiHeadAttention", "einattn.functional.attention_scores",
+                 "einattn.plot.attention", "einattn.masks"]:
+        assert f'id="{name}"' in html, name
+    assert "&gt;&gt;&gt;" in html  # the >>> prompts, inside code blocks
+    assert not re.search(r"<blockquote>\s*<blockquote>", html)
+
+
+def test_api_page_documents_every_public_module():
+    modules = {p.stem for p in (ROOT / "einattn").glob("*.py") if not p.stem.startswith("_")}
+    documented = re.findall(r"^::: einattn\.(\w+)$", (DOCS / "api.md").read_text(encoding="utf-8"),
+                            flags=re.M)
+    assert len(documented) == len(set(documented))
+    assert set(documented) == modules
+
+
+# -- the build's helpers (tools/) ---------------------------------------------------------
+
+def test_doctest_examples_become_fenced_code():
+    markdown = load(ROOT / "tools" / "griffe_doctests.py").markdown
+    docstring = ("Scores, see :func:`attention_scores`::\n\n"
+                 "    S[n μ τ σ] = Q[n μ τ a] K[n μ σ a]\n\n"
+                 ">>> f(2)\n4\n\n* A list item:\n\n    >>> g(\n    ...   3)\n    9\n\nMore text.")
+    assert markdown(docstring) == ("Scores, see `attention_scores`:\n\n"
+                                   "    S[n μ τ σ] = Q[n μ τ a] K[n μ σ a]\n\n"
+                                   "```pycon\n>>> f(2)\n4\n```\n\n* A list item:\n\n"
+                                   "```pycon\n>>> g(\n...   3)\n9\n```\n\nMore text.")
+    assert markdown(markdown(docstring)) == markdown(docstring)  # fenced code is left alone
+
+
+@pytest.mark.parametrize("repo_url, expected", [
+    ("", "see bench.py and [the layer](layer.md) and [gone](../no/such.py)."),
+    ("https://example.org/einattn/",
+     "see [bench.py](https://example.org/einattn/blob/HEAD/einattn/bench.py#L1) and "
+     "[the layer](layer.md) and [gone](../no/such.py)."),
+])
+def test_links_to_the_code_leave_the_docs_folder(repo_url, expected):
+    hook = load(ROOT / "tools" / "mkdocs_hooks.py").on_page_markdown
+    config = {"docs_dir": str(DOCS), "config_file_path": str(ROOT / "mkdocs.yml"),
+              "repo_url": repo_url}
+    page_ = SimpleNamespace(file=SimpleNamespace(src_uri="performance.md"))
+    text = ("see [bench.py](../einattn/bench.py#L1) and [the layer](layer.md) and "
+            "[gone](../no/such.py).")
+    assert hook(text, page_, config, None) == expected
+    fenced = f"```md\n{text}\n```"
+    assert hook(fenced, page_, config, None) == fenced
