@@ -1,17 +1,21 @@
-"""Equations (2)–(4) over key blocks with O(L) memory: FlashAttention's algorithm.
+"""Equations (2)–(4) over tiles of queries × keys with O(L) memory: FlashAttention.
 
-The keys are cut into blocks ``σ ∈ b`` of ``block_size``. For each block, in order::
+Queries are cut into blocks ``τ ∈ t`` and keys into blocks ``σ ∈ b``, both of
+``block_size``. For each tile ``(t, b)``, in order, with ``μ = (g r)``::
 
-    S_b[n μ τ σ] = Q[n μ τ a] K_b[n μ σ a] / √a          (+ M_b, causal from indices)
-    m'[n μ τ]    = max(m[n μ τ], max_σ S_b[n μ τ σ])
-    P[n μ τ σ]   = exp(S_b[n μ τ σ] − m'[n μ τ])
-    l[n μ τ]     ← exp(m − m') l + Σ_σ P[n μ τ σ]
-    O[n μ τ a]   ← exp(m − m') O[n μ τ a] + P[n μ τ σ] V_b[n μ σ a]
+    S[n (g r) τ σ] = Q_t[n (g r) τ a] K_b[n g σ a] / √a     (+ M, causal from indices)
+    m'[n μ τ]      = max(m[n μ τ], max_σ S[n μ τ σ])
+    P[n μ τ σ]     = exp(S[n μ τ σ] − m'[n μ τ])
+    l[n μ τ]       ← exp(m − m') l + Σ_σ P[n μ τ σ]
+    O[n (g r) τ a] ← exp(m − m') O + P[n (g r) τ σ] V_b[n g σ a]
 
 and at the end ``Z = O / l`` and ``lse = m + log l``, the log of the softmax denominator.
-Only ``Q, K, V, Z, lse`` (and the mask) are saved; the backward pass recomputes each
-block's ``P = exp(S_b − lse)`` and, with ``D[n μ τ] = Σ_a dZ Z``, uses
-``dS = P ∘ (dP − D)``. No tensor of ``L_q × L_k`` elements ever exists, only one block of
+Ordinary multi-head attention is ``g = μ``, ``r = 1``; with grouped-query attention each
+key/value group serves its ``r`` query heads where it lies, never repeated. Only
+``Q, K, V, Z, lse`` (and the mask) are saved; the backward pass recomputes each tile's
+``P = exp(S − lse)`` and, with ``D[n μ τ] = Σ_a dZ Z``, uses ``dS = P ∘ (dP − D)``.
+Besides ``O(L·a)`` tensors such as ``Z`` and the gradients, the largest temporary is one
+tile, ``block_size × block_size`` per head: nothing of ``L_q × L_k`` elements, nor of
 ``L_q × block_size``. See docs/chunked.md.
 
 A query row with no admissible key keeps ``m = −∞`` and ``l = 0``: its ``Z`` is exact
@@ -29,12 +33,12 @@ from . import masks as _masks
 from .errors import EinattnError
 from .notation import Equation
 
-# Forward, per key block: functional.SCORES, S_b = Q K_b / √a, and functional.VALUES,
-# O += P V_b, the equations (2) and (4) themselves. Backward, per key block:
-VALUE_GRADS = Equation("dV_b[n μ σ a] = P[n μ τ σ] dZ[n μ τ a]")
-PROB_GRADS = Equation("dP[n μ τ σ] = dZ[n μ τ a] V_b[n μ σ a]")
-QUERY_GRADS = Equation("dQ[n μ τ a] = dS[n μ τ σ] K_b[n μ σ a] / √a")
-KEY_GRADS = Equation("dK_b[n μ σ a] = dS[n μ τ σ] Q[n μ τ a] / √a")
+# Forward, per tile: functional.SCORES_GQA, S = Q_t K_b / √a, and functional.VALUES_GQA,
+# O += P V_b, the equations (2g) and (4g) themselves. Backward, per tile:
+VALUE_GRADS = Equation("dV_b[n g σ a] = P[n (g r) τ σ] dZ_t[n (g r) τ a]")
+PROB_GRADS = Equation("dP[n (g r) τ σ] = dZ_t[n (g r) τ a] V_b[n g σ a]")
+QUERY_GRADS = Equation("dQ_t[n (g r) τ a] = dS[n (g r) τ σ] K_b[n g σ a] / √a")
+KEY_GRADS = Equation("dK_b[n g σ a] = dS[n (g r) τ σ] Q_t[n (g r) τ a] / √a")
 
 _INF = float("inf")
 
@@ -43,12 +47,14 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
               mask: torch.Tensor | None = None, causal: bool = False,
               block_size: int = 256) -> torch.Tensor:
     """``Z[n μ τ a] = softmax_σ(Q[n μ τ a] K[n μ σ a] / √a + M[n μ τ σ]) V[n μ σ a]``,
-    exactly, over key blocks of ``block_size`` with O(L) memory.
+    exactly, over tiles of ``block_size`` queries × ``block_size`` keys with O(L) memory.
 
+    ``K`` and ``V`` may have fewer heads than ``Q`` (grouped-query attention): ``g`` groups
+    dividing the ``μ`` query heads, query head ``μ = (g r)`` reading group ``g``.
     ``mask``: bool (True = may attend) or float (added to the scores), broadcastable to
     ``(n, μ, τ, σ)`` as in :func:`einattn.masks.as_nmts`; a float mask gets a gradient.
     ``causal=True`` lets query τ see key σ iff ``σ ≤ τ + L_k − L_q`` (bottom-right),
-    computed per block from the indices. ``V`` may have its own size of ``a``.
+    computed per tile from the indices. ``V`` may have its own size of ``a``.
 
     >>> Q, K, V = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4)
     >>> Z = attention(Q, K, V, causal=True, block_size=3)
@@ -58,16 +64,20 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     True
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise EinattnError(f"block_size (the number of keys σ per block) must be a positive "
-                           f"int, got {block_size!r}")
-    for name, t in (("Q", Q), ("K", K), ("V", V)):
+        raise EinattnError(f"block_size (the number of queries τ and of keys σ per tile) must "
+                           f"be a positive int, got {block_size!r}")
+    for name, t, indices in (("Q", Q, "n μ τ a"), ("K", K, "n g σ a"), ("V", V, "n g σ a")):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise EinattnError(f"{name} must be 4-D {name}[n μ {'τ' if name == 'Q' else 'σ'} "
-                               f"a], got {shape}")
-    _functional.SCORES.sizes(Q=Q, K=K)  # n, μ, a agree by name, with the equation in any error
+            raise EinattnError(f"{name} must be 4-D {name}[{indices}], got {shape}")
+    if not torch.compiler.is_compiling():  # checked eagerly, as an Equation's sizes are:
+        _functional.SCORES_GQA.sizes(Q=Q, K=K)  # n and a agree, g divides μ; errors show (2g)
+    for index, axis in (("n", 0), ("g", 1), ("σ", 2)):
+        if V.shape[axis] != K.shape[axis]:
+            raise EinattnError(f"index {index!r} has size {V.shape[axis]} in V but "
+                               f"{K.shape[axis]} in K: every key K[n g σ a] needs its value "
+                               f"V[n g σ a]")
     n, n_heads, L_q, _ = Q.shape
-    _functional.VALUES.sizes(A=(n, n_heads, L_q, K.shape[2]), V=V)  # V's n, μ, σ agree with K's
     if mask is not None:
         mask = _masks.as_nmts(mask, name="mask", n=n, n_heads=n_heads, L_q=L_q,
                               L_k=K.shape[2], dtype=Q.dtype)
@@ -75,7 +85,7 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
 
 
 class _Attention(torch.autograd.Function):
-    """Forward saves Q, K, V, Z, lse (and the mask); backward recomputes P per block."""
+    """Forward saves Q, K, V, Z, lse (and the mask); backward recomputes P per tile."""
 
     @staticmethod
     def forward(ctx, Q, K, V, mask, causal: bool, block_size: int):
@@ -98,36 +108,40 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _blocks(L_q: int, L_k: int, causal: bool, block_size: int):
-    """``(τ0, s0, s1)`` per key block ``[s0, s1)``: rows ``τ < τ0`` see none of its keys."""
-    offset = L_k - L_q  # query τ sits at absolute position τ + offset
-    for s0 in range(0, L_k, block_size):
-        t0 = min(max(0, s0 - offset), L_q) if causal else 0
-        if t0 < L_q:
-            yield t0, s0, min(s0 + block_size, L_k)
+def _tiles(L_q: int, L_k: int, causal: bool, block_size: int):
+    """``(τ0, τ1, σ0, σ1)`` per tile of queries ``[τ0, τ1)`` and keys ``[σ0, σ1)``. With
+    ``causal``, a tile starts at its first row that sees one of its keys; a tile with no
+    such row is skipped."""
+    offset = L_k - L_q  # query τ sits at absolute position τ + offset: it sees σ ≤ τ + offset
+    for t0 in range(0, L_q, block_size):
+        t1 = min(t0 + block_size, L_q)
+        for s0 in range(0, L_k, block_size):
+            first = max(t0, s0 - offset) if causal else t0
+            if first < t1:
+                yield first, t1, s0, min(s0 + block_size, L_k)
 
 
-def _block_scores(Q, K, mask, causal: bool, t0: int, s0: int, s1: int, acc) -> torch.Tensor:
-    """``S_b[n μ τ σ]`` for rows ``τ ≥ t0`` and keys ``s0 ≤ σ < s1``, masked (−∞ blocks)."""
-    L_q, L_k = Q.shape[2], K.shape[2]
-    S = _functional.SCORES(Q=Q[:, :, t0:], K=K[:, :, s0:s1]).to(acc)  # a new tensor:
-    if mask is not None:  # masked in place, one block-sized tensor in all
-        M = _mask_block(mask, t0, s0, s1)
+def _tile_scores(Q, K, mask, causal: bool, tau: slice, sigma: slice, acc) -> torch.Tensor:
+    """``S[n μ τ σ]`` for the queries ``tau`` and keys ``sigma`` of one tile, masked (−∞)."""
+    S = _functional.SCORES_GQA(Q=Q[:, :, tau], K=K[:, :, sigma]).to(acc)  # a new tensor:
+    if mask is not None:  # masked in place, one tile-sized tensor in all
+        M = _mask_tile(mask, tau, sigma)
         if M.dtype == torch.bool:
             S.masked_fill_(~M, -_INF)
         else:
             S += M
-    if causal and s1 - 1 > t0 + L_k - L_q:  # some key of the block is in row t0's future
-        tau = torch.arange(t0, L_q, device=Q.device)[:, None]
-        sigma = torch.arange(s0, s1, device=Q.device)[None, :]
-        S.masked_fill_(sigma > tau + (L_k - L_q), -_INF)
+    offset = K.shape[2] - Q.shape[2]
+    if causal and sigma.stop - 1 > tau.start + offset:  # a key in the first row's future
+        rows = torch.arange(tau.start, tau.stop, device=Q.device)[:, None]
+        keys = torch.arange(sigma.start, sigma.stop, device=Q.device)[None, :]
+        S.masked_fill_(keys > rows + offset, -_INF)
     return S
 
 
-def _mask_block(mask: torch.Tensor, t0: int, s0: int, s1: int) -> torch.Tensor:
-    """The rows ``τ ≥ t0`` and keys ``s0 ≤ σ < s1`` of a mask; axes of size 1 stay."""
-    rows = mask if mask.shape[2] == 1 else mask[:, :, t0:]
-    return rows if rows.shape[3] == 1 else rows[:, :, :, s0:s1]
+def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
+    """The rows ``tau`` and keys ``sigma`` of a mask; axes of size 1 stay."""
+    rows = mask if mask.shape[2] == 1 else mask[:, :, tau]
+    return rows if rows.shape[3] == 1 else rows[:, :, :, sigma]
 
 
 def _forward(Q, K, V, mask, causal: bool, block_size: int):
@@ -136,49 +150,47 @@ def _forward(Q, K, V, mask, causal: bool, block_size: int):
     m = Q.new_full((n, n_heads, L_q), -_INF, dtype=acc)  # running max m[n μ τ]
     l = Q.new_zeros((n, n_heads, L_q), dtype=acc)  # noqa: E741 running sum l[n μ τ]
     O = Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=acc)  # noqa: E741 unnormalised Z
-    for t0, s0, s1 in _blocks(L_q, K.shape[2], causal, block_size):
-        S = _block_scores(Q, K, mask, causal, t0, s0, s1, acc)
-        m_old = m[:, :, t0:]
+    for t0, t1, s0, s1 in _tiles(L_q, K.shape[2], causal, block_size):
+        tau, sigma = slice(t0, t1), slice(s0, s1)
+        S = _tile_scores(Q, K, mask, causal, tau, sigma, acc)
+        m_old = m[:, :, tau]
         m_new = torch.maximum(m_old, S.amax(dim=-1))
         m_safe = m_new.masked_fill(m_new == -_INF, 0.0)  # no key yet: exp(−∞ − 0) = 0
         P = S.sub_(m_safe[..., None]).exp_()  # in place: S is not needed again
         rescale = torch.exp(m_old - m_safe)
-        l[:, :, t0:] = rescale * l[:, :, t0:] + P.sum(dim=-1)
-        PV = _functional.VALUES(A=P.to(V.dtype), V=V[:, :, s0:s1]).to(acc)
-        O[:, :, t0:] = rescale[..., None] * O[:, :, t0:] + PV
-        m[:, :, t0:] = m_new
-        del S, P, PV  # one block alive at a time: freed before the next block's scores
+        l[:, :, tau].mul_(rescale).add_(P.sum(dim=-1))  # the running statistics, in place
+        PV = _functional.VALUES_GQA(A=P.to(V.dtype), V=V[:, :, sigma])
+        O[:, :, tau].mul_(rescale[..., None]).add_(PV)
+        m[:, :, tau] = m_new
     dead = l == 0  # no admissible key (or L_k = 0): Z = 0 and P = 0 in backward
-    Z = (O / l.masked_fill(dead, 1.0)[..., None]).to(Q.dtype)
+    Z = O.div_(l.masked_fill(dead, 1.0)[..., None]).to(Q.dtype)  # in O's memory
     lse = (m + torch.log(l)).masked_fill(dead, _INF)
     return Z, lse
 
 
 def _backward(Q, K, V, Z, lse, mask, dZ, causal: bool, block_size: int, *, mask_grad: bool):
-    L_q, L_k = Q.shape[2], K.shape[2]
+    L_q, L_k, g = Q.shape[2], K.shape[2], K.shape[1]
     acc = _accumulator(Q.dtype)
     D = (dZ.to(acc) * Z.to(acc)).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z = Σ_σ P dP
-    dQ = torch.zeros(Q.shape, dtype=acc, device=Q.device)
-    dK = torch.zeros(K.shape, dtype=K.dtype, device=K.device)
-    dV = torch.zeros(V.shape, dtype=V.dtype, device=V.device)
+    dQ, dK, dV = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (Q, K, V))
     dM = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask_grad else None
-    for t0, s0, s1 in _blocks(L_q, L_k, causal, block_size):
-        S = _block_scores(Q, K, mask, causal, t0, s0, s1, acc)
-        P = S.sub_(lse[:, :, t0:, None]).exp_()  # the forward's weights A, for this block
-        dZ_t, V_b, K_b = dZ[:, :, t0:], V[:, :, s0:s1], K[:, :, s0:s1]
-        dV[:, :, s0:s1] = VALUE_GRADS(P=P.to(V.dtype), dZ=dZ_t)
-        dP = PROB_GRADS(dZ=dZ_t, V_b=V_b).to(acc)
-        dS = dP.sub_(D[:, :, t0:, None]).mul_(P)  # dS = P ∘ (dP − D), in dP's memory
-        dQ[:, :, t0:] += QUERY_GRADS(dS=dS.to(K.dtype), K_b=K_b).to(acc)
-        dK[:, :, s0:s1] = KEY_GRADS(dS=dS.to(Q.dtype), Q=Q[:, :, t0:])
+    for t0, t1, s0, s1 in _tiles(L_q, L_k, causal, block_size):
+        tau, sigma = slice(t0, t1), slice(s0, s1)
+        S = _tile_scores(Q, K, mask, causal, tau, sigma, acc)
+        P = S.sub_(lse[:, :, tau, None]).exp_()  # the forward's weights A, for this tile
+        Q_t, dZ_t, K_b, V_b = Q[:, :, tau], dZ[:, :, tau], K[:, :, sigma], V[:, :, sigma]
+        dV[:, :, sigma] += VALUE_GRADS(P=P.to(V.dtype), dZ_t=dZ_t, g=g)
+        dP = PROB_GRADS(dZ_t=dZ_t, V_b=V_b).to(acc)
+        dS = dP.sub_(D[:, :, tau, None]).mul_(P)  # dS = P ∘ (dP − D), in dP's memory
+        dQ[:, :, tau] += QUERY_GRADS(dS=dS.to(K.dtype), K_b=K_b)
+        dK[:, :, sigma] += KEY_GRADS(dS=dS.to(Q.dtype), Q_t=Q_t, g=g)
         if dM is not None:  # M is added to S, so dM = dS, summed over its broadcast axes
-            target = _mask_block(dM, t0, s0, s1)
+            target = _mask_tile(dM, tau, sigma)
             axes = _broadcast_axes(target.shape, dS.shape)
             target += (dS.sum(dim=axes, keepdim=True) if axes else dS).to(dM.dtype)
-        del S, P, dP, dS
-    return dQ.to(Q.dtype), dK, dV, dM
+    return dQ.to(Q.dtype), dK.to(K.dtype), dV.to(V.dtype), dM
 
 
-def _broadcast_axes(mask_shape, block_shape) -> list[int]:
-    """The axes along which a mask of ``mask_shape`` broadcasts to ``block_shape``."""
-    return [k for k in range(4) if mask_shape[k] == 1 and block_shape[k] != 1]
+def _broadcast_axes(mask_shape, tile_shape) -> list[int]:
+    """The axes along which a mask of ``mask_shape`` broadcasts to ``tile_shape``."""
+    return [k for k in range(4) if mask_shape[k] == 1 and tile_shape[k] != 1]

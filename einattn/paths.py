@@ -1,16 +1,16 @@
 """Fast paths for equations (2)–(4): the same ``Z[n μ τ a]`` from the same Q, K, V.
 
 ``"sdpa"`` hands them to ``F.scaled_dot_product_attention`` (fused kernels: flash, memory
-efficient, or math); ``"chunked"`` runs :mod:`einattn.chunked`, exact attention over key
-blocks with O(L) memory. Both see einattn's masks with einattn's meaning: True = may
-attend, float = added, causal aligned bottom-right.
+efficient, or math); ``"chunked"`` runs :mod:`einattn.chunked`, exact attention over tiles
+of queries × keys with O(L) memory. Both take grouped-query keys and values as they are,
+``K[n g σ a]`` with ``μ = (g r)``, never repeated per head; both see einattn's masks with
+einattn's meaning: True = may attend, float = added, causal aligned bottom-right.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import repeat
 
 from . import chunked, masks
 from .errors import EinattnError
@@ -25,9 +25,6 @@ def weighted_values(impl: str, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor
     if dropout:
         raise EinattnError(f"impl='chunked' has no dropout (got dropout={dropout}); use "
                            f"impl='einsum' or 'sdpa' while training with dropout")
-    r = Q.shape[1] // max(K.shape[1], 1)
-    if r > 1:  # grouped-query: each group's keys and values serve its r heads, μ = (g r)
-        K, V = (repeat(t, "n g σ a -> n (g r) σ a", r=r) for t in (K, V))
     return chunked.attention(Q, K, V, mask=mask, causal=causal, block_size=block_size)
 
 

@@ -1,7 +1,8 @@
-"""einattn.chunked: online-softmax attention over key blocks equals equations (2)–(4) as
-written (values and gradients of Q, K, V and a float mask), for every block size, mask
-shape and causal alignment; fully masked rows, NaN, empty sizes, gradcheck, what is saved
-for backward, torch.compile, and the errors."""
+"""einattn.chunked: online-softmax attention over tiles of queries × keys equals equations
+(2)–(4) as written (values and gradients of Q, K, V and a float mask), for every block
+size, mask shape and causal alignment, and grouped-query K, V without a copy per head;
+fully masked rows, NaN, empty sizes, gradcheck, what is saved for backward, the size of
+the largest temporary, torch.compile, and the errors."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from conftest import TOL, assert_close_scaled, randn
 
-from einattn import EinattnError, chunked, masks
+from einattn import EinattnError, MultiHeadAttention, chunked, masks, paths
 from einattn import functional as F
 
 F64, F32 = torch.float64, torch.float32
@@ -27,10 +28,12 @@ def qkv(L_q, L_k, *, dtype=F64, n=N, seed=0, requires_grad=True):
 
 
 def einsum_path(Q, K, V, *, mask=None, causal=False):
-    """Equations (2)–(4) as written: the S and A of every (τ, σ) at once."""
-    L_q, L_k = Q.shape[2], K.shape[2]
+    """Equations (2)–(4) as written, (2g) and (4g) when K and V have fewer heads than Q: the
+    S and A of every (τ, σ) at once."""
+    n, n_heads, L_q, _ = Q.shape
+    L_k = K.shape[2]
     if mask is not None:
-        mask = masks.as_nmts(mask, name="mask", n=Q.shape[0], n_heads=MU, L_q=L_q, L_k=L_k,
+        mask = masks.as_nmts(mask, name="mask", n=n, n_heads=n_heads, L_q=L_q, L_k=L_k,
                              dtype=Q.dtype)
     if causal:
         mask = masks.combine(mask, masks.causal_mask(L_q, L_k))
@@ -119,6 +122,66 @@ def test_block_size_does_not_change_the_result_beyond_rounding():
     Zs = [chunked.attention(Q, K, V, causal=True, block_size=b) for b in (1, 2, 5, 23, 1000)]
     for Z in Zs[1:]:
         assert_close_scaled(Z, Zs[0], TOL[F64])
+
+
+# -- grouped-query attention: K[n g σ a], V[n g σ a] serve the r query heads of each group --
+
+
+def gqa_qkv(L_q, L_k, *, g, r, dtype=F64, seed=20):
+    """Q with μ = g·r heads, K and V with g, each with a projection's strides."""
+    Q = randn(N, L_q, g * r, A, seed=seed, dtype=dtype).transpose(1, 2)
+    K = randn(N, L_k, g, A, seed=seed + 1, dtype=dtype).transpose(1, 2)
+    V = randn(N, L_k, g, A_V, seed=seed + 2, dtype=dtype).transpose(1, 2)
+    return tuple(t.detach().requires_grad_() for t in (Q, K, V))
+
+
+@pytest.mark.parametrize("g, r", [(2, 3), (3, 2), (1, 4)], ids=lambda v: str(v))
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("mask, causal", [(None, False), (None, True), ("bool nμτσ", True),
+                                          ("float n11σ", False)], ids=str)
+@pytest.mark.parametrize("block_size", [3, 64])
+def test_grouped_query_equals_the_einsum_path_float64(g, r, lengths, mask, causal,
+                                                      block_size):
+    L_q, L_k = LENGTHS[lengths]
+    Q, K, V = gqa_qkv(L_q, L_k, g=g, r=r)
+    if mask is not None:  # a mask over the μ = g·r query heads
+        polarity, _ = mask.split()
+        allowed = randn(N, g * r, L_q, L_k, seed=8) > -0.5
+        allowed[0, 1, 1] = False  # a fully masked row
+        mask = allowed if polarity == "bool" else \
+            randn(N, 1, 1, L_k, seed=9).requires_grad_()
+    compare(Q, K, V, mask=mask, causal=causal, block_size=block_size, tol=TOL[F64])
+
+
+def test_grouped_query_keys_and_values_are_used_without_a_copy():
+    """paths hands K[n g σ a] and V[n g σ a] to chunked as they are: no tensor of the
+    repeated shape (n, μ, σ, a) is made or saved, and the saved K and V are the caller's."""
+    Q, K, V = gqa_qkv(9, 11, g=2, r=3)
+    made = largest_outputs(lambda: paths.weighted_values(
+        "chunked", Q, K, V, mask=None, causal=True, dropout=0.0, block_size=4).sum().backward())
+    assert not any(shape[1:3] == (6, 11) for shape in made)  # μ = 6 heads of σ = 11 keys
+    saved = saved_for_backward(lambda: paths.weighted_values(
+        "chunked", Q, K, V, mask=None, causal=True, dropout=0.0, block_size=4))
+    pointers = {t.data_ptr() for t in saved}
+    assert K.data_ptr() in pointers and V.data_ptr() in pointers
+    assert all(t.shape[1] in (2, 6) for t in saved)  # g or μ heads, never K repeated
+
+
+@pytest.mark.parametrize("context", [False, True], ids=["self", "cross"])
+def test_grouped_query_layer_equals_the_einsum_path(context):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(24, 6, n_kv_heads=2, causal=True, bias=True, block_size=4,
+                               dtype=F64)
+    x = randn(N, 11, 24, seed=1, requires_grad=True)
+    c = randn(N, 7, 24, seed=2, requires_grad=True) if context else None
+    allowed = randn(N, 11, 7 if context else 11, seed=3) > -0.5
+    leaves = [x, *([c] if context else []), *layer.parameters()]
+    Y, Y_ref = (layer(x, c, mask=allowed, impl=impl) for impl in ("chunked", "einsum"))
+    assert_close_scaled(Y, Y_ref, TOL[F64])
+    dY = randn(*Y.shape, seed=4)
+    for got, want in zip(torch.autograd.grad(Y, leaves, dY),
+                         torch.autograd.grad(Y_ref, leaves, dY), strict=True):
+        assert_close_scaled(got, want, TOL[F64])
 
 
 # -- fully masked rows: exact zeros, zero and finite gradients --------------------------
@@ -251,6 +314,13 @@ def test_gradcheck(L_q, L_k, causal):
         lambda Q, K, V: chunked.attention(Q, K, V, causal=causal, block_size=2), (Q, K, V))
 
 
+def test_gradcheck_grouped_query():
+    Q = randn(1, 4, 4, 3, seed=0, requires_grad=True)  # μ = 4 query heads, g = 2 groups
+    K, V = (randn(1, 2, 5, a, seed=s, requires_grad=True) for s, a in [(1, 3), (2, 2)])
+    assert torch.autograd.gradcheck(
+        lambda Q, K, V: chunked.attention(Q, K, V, causal=True, block_size=2), (Q, K, V))
+
+
 def test_gradcheck_with_masks():
     Q, K, V = (randn(2, 2, L, 3, seed=s, requires_grad=True) for s, L in enumerate([4, 5, 5]))
     M = randn(2, 1, 4, 5, seed=5, requires_grad=True)  # float: its gradient is checked too
@@ -313,6 +383,39 @@ def test_the_saved_mask_is_the_callers_mask_not_a_copy():
     assert next(t for t in saved if t.dtype == torch.bool).data_ptr() == mask.data_ptr()
 
 
+def largest_outputs(f):
+    """The shape of every tensor an aten op returns while ``f()`` runs, largest first."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    shapes.append(tuple(t.shape))
+            return out
+
+    with Record():
+        f()
+    return sorted(shapes, key=lambda shape: -torch.Size(shape).numel())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_no_temporary_spans_every_query_of_a_key_block(causal):
+    """Forward and backward create nothing larger than one tile of block_size queries ×
+    block_size keys per head, or an O(L·a) tensor such as Z, dQ, dK, dV: never the
+    L_q × block_size scores of all queries against one key block."""
+    L, b = 64, 8  # per head: a tile is 64 numbers, Z 320, L × b would be 512
+    Q, K, V = qkv(L, L)
+    made = largest_outputs(
+        lambda: chunked.attention(Q, K, V, causal=causal, block_size=b).sum().backward())
+    assert torch.Size(made[0]).numel() == N * MU * L * A_V  # Z (and dV): O(L·a)
+    assert not any(len(shape) == 4 and shape[2:] == (L, b) for shape in made)
+    assert max(torch.Size(s).numel() for s in made if s[-1:] == (b,)) == N * MU * b * b
+
+
 # -- torch.compile -------------------------------------------------------------------------
 
 
@@ -351,9 +454,11 @@ def test_bad_operands_are_named():
     Q, K, V = qkv(3, 4, requires_grad=False)
     cases = [
         (dict(Q=Q[0]), r"Q must be 4-D Q\[n μ τ a\], got \(3, 3, 4\)"),
-        (dict(V=V.tolist()), r"V must be 4-D V\[n μ σ a\], got list"),
+        (dict(V=V.tolist()), r"V must be 4-D V\[n g σ a\], got list"),
         (dict(K=K[..., :3]), r"index 'a' has size 3 in K but 4 in Q"),
-        (dict(V=V[:, :, :2]), r"index 'σ' has size 2 in V but 4 in A"),
+        (dict(V=V[:, :, :2]), r"index 'σ' has size 2 in V but 4 in K"),
+        (dict(K=K[:, :2], V=V[:, :2]), r"group \(g r\) of Q has length 3, not divisible by g=2"),
+        (dict(K=K[:, :1]), r"index 'g' has size 3 in V but 1 in K"),
         (dict(mask=torch.ones(5, 4, dtype=torch.bool)),
          r"index 'τ' has size 5 in mask but 3 in the scores"),
         (dict(mask=torch.ones(3, 4, dtype=F32)), r"mask is torch.float32 but the scores are"),
@@ -370,6 +475,6 @@ def test_bad_operands_are_named():
 
 def test_docs_show_the_equations_the_code_runs():
     doc = (Path(__file__).resolve().parent.parent / "docs" / "chunked.md").read_text("utf-8")
-    for equation in (F.SCORES, F.VALUES, chunked.VALUE_GRADS, chunked.PROB_GRADS,
+    for equation in (F.SCORES_GQA, F.VALUES_GQA, chunked.VALUE_GRADS, chunked.PROB_GRADS,
                      chunked.QUERY_GRADS, chunked.KEY_GRADS):
         assert equation.text in doc, equation
