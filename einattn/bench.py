@@ -6,7 +6,7 @@ Six forms of one bias-free self-attention layer, all on the same weights:
 
     einsum       einattn, impl="einsum": equations (1)–(5) as written
     sdpa         einattn, impl="sdpa": (2)–(4) by F.scaled_dot_product_attention
-    chunked      einattn, impl="chunked": exact attention over key blocks, O(L) memory
+    chunked      einattn, impl="chunked": exact attention over tiles, O(L) memory
     textbook     the lean reshape form: three F.linear, view/transpose, matmul, /√a,
                  softmax, matmul, transpose/reshape, F.linear; no mask handling
     torch_mha    nn.MultiheadAttention(batch_first=True), need_weights=False

@@ -243,7 +243,7 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     ``impl`` chooses how equations (2)–(4) run, on the same parameters: ``"einsum"`` (the
     equations as written; under ``torch.compile`` routed to SDPA, which Inductor fuses),
     ``"sdpa"`` (``F.scaled_dot_product_attention``) or ``"chunked"`` (exact attention over
-    key blocks of ``block_size`` with O(L) memory, see :mod:`einattn.chunked`). Weights
+    tiles of ``block_size`` queries × keys, O(L) memory, see :mod:`einattn.chunked`). Weights
     ``A`` exist only on the einsum path, so asking for them runs it.
 
     >>> Y = multi_head_attention(torch.randn(2, 5, 16), torch.randn(48, 16),
