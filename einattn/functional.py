@@ -140,13 +140,16 @@ def attention_scores(Q: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
     return SCORES_GQA(Q=Q, K=K)
 
 
-def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None, *,
+                   every_row_sees_a_key: bool = False) -> torch.Tensor:
     """Equation (3): ``A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[n μ τ σ])``.
 
     ``mask`` is boolean (True = may attend) or float (added to the scores). A query row
     with no admissible key gives exact zeros and zero gradients: its scores are set to 0
     before the softmax and its weights to 0 after, never a finite sentinel. NaN in an
-    admissible score still propagates.
+    admissible score still propagates. ``every_row_sees_a_key=True`` is the caller's
+    promise that no row is fully masked (a causal mask with ``L_q ≤ L_k`` and nothing
+    else): the two passes over S that guard such rows are then skipped.
 
     >>> masked_softmax(torch.zeros(2, 2), torch.tensor([[True, True], [False, False]]))
     tensor([[0.5000, 0.5000],
@@ -160,6 +163,8 @@ def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None) -> torch.T
     else:
         admissible = mask != float("-inf")
         S = S + mask
+    if every_row_sees_a_key:
+        return torch.softmax(S, dim=-1)
     dead = ~admissible.any(dim=-1, keepdim=True)
     A = torch.softmax(S.masked_fill(dead, 0.0), dim=-1)
     return A.masked_fill(dead, 0.0)
@@ -298,10 +303,11 @@ def _rotate(Q, K, style: str, base: float, positions, offset: int, *, cross: boo
 
 def _einsum_stages(Q, K, V, M, causal: bool, dropout: float) -> dict[str, torch.Tensor]:
     """Equations (2)–(4) as written: S, A (after dropout, as applied) and Z."""
+    only_causal = causal and M is None and Q.shape[2] <= K.shape[2]  # no row fully masked
     if causal:
         M = _masks.combine(M, _masks.causal_mask(Q.shape[2], K.shape[2], device=Q.device))
     S = attention_scores(Q, K)
-    A = masked_softmax(S, M)
+    A = masked_softmax(S, M, every_row_sees_a_key=only_causal)
     if dropout:
         A = torch.nn.functional.dropout(A, p=dropout)
     return {"S": S, "A": A, "Z": weighted_values(A, V)}

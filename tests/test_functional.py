@@ -533,3 +533,23 @@ def test_errors_are_value_errors_and_show_the_equation():
     with pytest.raises(ValueError) as info:
         mha(W_O=torch.ones(4, 3, 16))
     assert re.search(r"Y\[n τ i\] = Z\[n μ τ a\] W_O\[μ a i\]", str(info.value))
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_the_promise_of_no_fully_masked_row_changes_nothing_where_it_holds(kind):
+    """``every_row_sees_a_key=True`` skips the guard of fully masked rows: the same A, bit
+    for bit, where every row sees a key (a causal mask with L_q ≤ L_k)."""
+    S = randn(2, 3, 4, 6, seed=21)
+    m = masks.causal_mask(4, 6)
+    M = m if kind == "bool" else torch.zeros(4, 6, dtype=F64).masked_fill(~m, float("-inf"))
+    assert torch.equal(F.masked_softmax(S, M, every_row_sees_a_key=True), F.masked_softmax(S, M))
+
+
+def test_causal_rows_that_see_no_key_keep_their_guard():
+    """L_q > L_k with causal: the first queries see no key; the einsum path must not take
+    the unguarded softmax there (it would give NaN rows)."""
+    x, W, W_O = randn(2, 6, 16, seed=1), randn(48, 16, seed=2), randn(4, 4, 16, seed=3)
+    context = randn(2, 3, 16, seed=4)
+    Y, A = F.multi_head_attention(x, W, W_O, n_heads=4, context=context, causal=True,
+                                  need_weights=True)
+    assert not torch.isnan(Y).any() and torch.equal(A[:, :, :3], torch.zeros_like(A[:, :, :3]))
