@@ -9,6 +9,9 @@ bottom-right, as :func:`einattn.masks.causal_mask` aligns it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from .errors import EinattnError
@@ -35,6 +38,16 @@ class KVCache:
     def __repr__(self) -> str:
         shape = None if self.K is None else tuple(self.K.shape)
         return f"KVCache(length={len(self)}, K[n g σ a]={shape})"
+
+    @contextmanager
+    def undo_on_error(self) -> Iterator[None]:
+        """Put the cache back as it was if the block raises: a call that fails adds nothing."""
+        saved = self.K, self.V, self.padding
+        try:
+            yield
+        except BaseException:
+            self.K, self.V, self.padding = saved
+            raise
 
     def reset(self) -> None:
         """Forget every cached token (a new sequence)."""

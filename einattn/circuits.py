@@ -64,8 +64,12 @@ def ov_circuit(W: torch.Tensor, W_O: torch.Tensor, *, n_heads: int,
 
 
 def qk(layer: MultiHeadAttention) -> torch.Tensor:
-    """The QK circuit ``W_QK[μ i j]`` of a :class:`~einattn.MultiHeadAttention` layer."""
+    """The QK circuit ``W_QK[μ i j]`` of a :class:`~einattn.MultiHeadAttention` layer
+    without rotary embeddings (with them, the bilinear form depends on t − s)."""
     _check_layer(layer)
+    if layer.rope is not None:
+        raise EinattnError(f"this layer has rope={layer.rope!r}: its scores turn Q and K by "
+                           f"the positions, so no single W_QK[μ i j] gives them")
     return qk_circuit(layer.W, n_heads=layer.n_heads, n_kv_heads=layer.n_kv_heads)
 
 

@@ -18,6 +18,8 @@ Each function below runs its equation; :func:`multi_head_attention` composes the
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from einops import rearrange
 
@@ -74,16 +76,20 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
     """
     W4 = open_fused(W, n_heads, n_kv_heads)
     r = W4.shape[1] - 2
+    grouped = r > 1
     b4 = None if b is None else _open_bias(b, W4)
     if context is None:
-        return _slots(_project(x, W4, b4), r, 1, 1)
+        return _slots(_project(x, W4, b4, grouped=grouped), r, 1, 1)
     _check_context(x, context)
-    (Q,) = _slots(_project(x, W4[:, :r], None if b4 is None else b4[:r]), r)
-    return (Q, *_slots(_project(context, W4[:, r:], None if b4 is None else b4[r:]), 1, 1))
+    (Q,) = _slots(_project(x, W4[:, :r], None if b4 is None else b4[:r], grouped=grouped), r)
+    K, V = _slots(_project(context, W4[:, r:], None if b4 is None else b4[r:], grouped=grouped),
+                  1, 1)
+    return Q, K, V
 
 
-def _project(x: torch.Tensor, W4: torch.Tensor, b4: torch.Tensor | None) -> torch.Tensor:
-    P = (PROJECT if W4.shape[1] == 3 else PROJECT_GQA)(X=x, W=W4)
+def _project(x: torch.Tensor, W4: torch.Tensor, b4: torch.Tensor | None, *,
+             grouped: bool) -> torch.Tensor:
+    P = (PROJECT_GQA if grouped else PROJECT)(X=x, W=W4)
     return P if b4 is None else P + b4
 
 
@@ -258,6 +264,8 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     """
     if impl not in IMPLS:
         raise EinattnError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    if cache is not None:
+        _check_cache(cache, context)
     Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
     if rotary.check_style(rope, Q.shape[-1]) is not None:
         Q, K = _rotate(Q, K, rope, rope_base, positions, 0 if cache is None else len(cache),
@@ -265,11 +273,23 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     elif positions is not None:
         raise EinattnError("positions= only matters with rope='half' or 'interleaved'; this "
                            "attention has rope=None")
-    if cache is not None:
-        K, V, key_padding_mask = cache.append(K, V, key_padding_mask)
     if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
         raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
                            f"Y[n τ i] must have the model width of X[n τ i]")
+    attend = partial(_attend, W_O=W_O, b_O=b_O, n_heads=n_heads, mask=mask, causal=causal,
+                     dropout=dropout, need_weights=need_weights,
+                     return_intermediates=return_intermediates, impl=impl,
+                     block_size=block_size)
+    if cache is None:
+        return attend(Q, K, V, key_padding_mask)
+    with cache.undo_on_error():  # a call that raises leaves the cache as it was
+        return attend(Q, *cache.append(K, V, key_padding_mask))
+
+
+def _attend(Q, K, V, key_padding_mask, *, W_O, b_O, n_heads: int, mask, causal: bool,
+            dropout: float, need_weights: bool, return_intermediates: bool, impl: str,
+            block_size: int):
+    """Equations (2)–(5) from Q, K, V by ``impl``, with the weights or every stage if asked."""
     M = attention_mask(n=Q.shape[0], n_heads=n_heads, L_q=Q.shape[2], L_k=K.shape[2],
                        dtype=Q.dtype, device=Q.device, mask=mask,
                        key_padding_mask=key_padding_mask)
@@ -285,6 +305,15 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
         return Y, {"Q": Q, "K": K, "V": V, **stages,
                    "Y_μ": head_contributions(stages["Z"], W_O), "Y": Y}
     return (Y, stages["A"]) if need_weights else Y
+
+
+def _check_cache(cache, context) -> None:
+    if not isinstance(cache, KVCache):
+        raise EinattnError(f"cache must be an einattn.KVCache, got {type(cache).__name__}")
+    if context is not None:
+        raise EinattnError("a KVCache holds self-attention's keys and values; with a context "
+                           "they would be appended again on every call: drop the cache or the "
+                           "context")
 
 
 IMPLS = ("einsum", "sdpa", "chunked")

@@ -19,9 +19,10 @@ over the keys instead of one total (bottom-right aligned, as everywhere in einat
     (L7) D[n μ τ]   = phi_Q[n μ τ a] h[n μ τ a]
 
 Grouped keys and values (``n_kv_heads`` groups g of r query heads, ``μ = (g r)``) run
-(L1g), (L2g), (L4g), (L6g), (L7g): the same equations with ``n (g r) τ`` for the queries
-and ``n g`` for the keys. This is a different attention from softmax attention, not an
-``impl`` of it: the two agree on no inputs in general. :func:`quadratic_form` computes the
+(L1g), (L2g), (L6g), (L7g): the same equations with ``n (g r) τ`` for the queries and
+``n g`` for the keys; (L4) holds no query, so it runs as written over g heads. This is a
+different attention from softmax attention, not an ``impl`` of it: the two agree on no
+inputs in general. :func:`quadratic_form` computes the
 same linear attention with its L_q × L_k weights formed, the reference it is tested against.
 
     >>> Q, K, V = torch.randn(2, 3, 7, 5), torch.randn(2, 3, 7, 5), torch.randn(2, 3, 7, 4)
@@ -51,7 +52,6 @@ CAUSAL_NORMALISER = Equation("D[n μ τ] = phi_Q[n μ τ a] h[n μ τ a]")
 
 NUMERATOR_GQA = Equation("N[n (g r) τ c] = phi_Q[n (g r) τ a] phi_K[n g σ a] V[n g σ c]")
 NORMALISER_GQA = Equation("D[n (g r) τ] = phi_Q[n (g r) τ a] phi_K[n g σ a]")
-OUTER_GQA = Equation("U[n g σ a c] = phi_K[n g σ a] V[n g σ c]")
 CAUSAL_NUMERATOR_GQA = Equation("N[n (g r) τ c] = phi_Q[n (g r) τ a] H[n g τ a c]")
 CAUSAL_NORMALISER_GQA = Equation("D[n (g r) τ] = phi_Q[n (g r) τ a] h[n g τ a]")
 
@@ -136,7 +136,7 @@ def prefix_sums(phi_K: torch.Tensor, V: torch.Tensor, L_q: int
     ``H[n μ τ a c]`` sums the outer products ``U[n μ σ a c] = phi_K[n μ σ a] V[n μ σ c]``
     and ``h[n μ τ a]`` sums ``phi_K``, both by ``torch.cumsum`` over σ, read at each query's
     last visible key (zeros for a query that sees none). With grouped keys the head axis is
-    g, (L4g): ``U[n g σ a c] = phi_K[n g σ a] V[n g σ c]``.
+    g: (L4) involves no query, so it is the same equation over g heads.
 
     >>> H, h = prefix_sums(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 1), L_q=2)
     >>> h[0, 0, :, 0]

@@ -112,8 +112,9 @@ class MultiHeadAttention(nn.Module):
         (``(L,)`` or ``(n, L)`` integers) places the tokens for RoPE; by default they follow
         the tokens already in ``cache``. With ``cache`` (a :class:`~einattn.KVCache`),
         this call's keys and values are appended to it and attention runs over all of it:
-        ``layer(prompt, cache=c)`` then ``layer(next_token, cache=c)`` equals one causal
-        forward over the whole sequence; ``key_padding_mask`` then marks the new keys.
+        with ``causal=True`` (here or in the constructor), ``layer(prompt, cache=c)`` then
+        ``layer(next_token, cache=c)`` equals one causal forward over the whole sequence;
+        ``key_padding_mask`` then marks the new keys.
         """
         self._check_input("x", x)
         if context is not None:
@@ -196,7 +197,8 @@ class MultiHeadAttention(nn.Module):
                    **layer_options) -> MultiHeadAttention:
         """A layer holding copies of einattn's own weights: ``W[(μ B a) i]`` (or
         ``W[(g C a) i]`` with ``n_kv_heads``), ``W_O[μ a i]`` and the biases ``b``, ``b_O``
-        (or None); ``n_heads``, ``d_head`` and ``d_model`` are read from ``W_O``."""
+        (None for no bias; one given alone makes the other zero); ``n_heads``, ``d_head`` and
+        ``d_model`` are read from ``W_O``."""
         if not isinstance(W_O, torch.Tensor) or W_O.ndim != 3:
             shape = tuple(W_O.shape) if isinstance(W_O, torch.Tensor) else type(W_O).__name__
             raise EinattnError(f"W_O must be 3-D W_O[μ a i], got {shape}")
@@ -205,12 +207,16 @@ class MultiHeadAttention(nn.Module):
         layer = cls(d_model, n_heads, d_head=d_head, n_kv_heads=n_kv_heads,
                     bias=b is not None or b_O is not None, device=W_O.device, dtype=W_O.dtype,
                     **layer_options)
+        if layer.b is not None:  # one bias given: the other is zero, as in from_projections
+            b = torch.zeros_like(layer.b) if b is None else b
+            b_O = torch.zeros_like(layer.b_O) if b_O is None else b_O
         given = {"W": W, "W_O": W_O, "b": b, "b_O": b_O}
         for name, t in given.items():
             want = getattr(layer, name)
             if want is not None and (not isinstance(t, torch.Tensor) or t.shape != want.shape):
-                have = tuple(t.shape) if isinstance(t, torch.Tensor) else t
-                raise EinattnError(f"{name} has shape {have} but this layer's {name} needs "
+                have = (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else
+                        f"type {type(t).__name__}")
+                raise EinattnError(f"{name} has {have} but this layer's {name} needs shape "
                                    f"{tuple(want.shape)}: from W_O, μ={n_heads}, a={d_head}, "
                                    f"i={d_model}; g={layer.n_kv_heads}")
         with torch.no_grad():
@@ -277,7 +283,7 @@ def _check_positive_int(name: str, value) -> None:
 
 
 def _check_fixed(method: str, layer_options: dict) -> None:
-    fixed = {"d_head", "bias", "device", "dtype"} & set(layer_options)
+    fixed = {"d_model", "n_heads", "d_head", "bias", "device", "dtype"} & set(layer_options)
     if fixed:
         raise EinattnError(f"{method} takes {', '.join(sorted(fixed))} from the weights; pass "
                            f".to(...) on the result to change dtype or device")

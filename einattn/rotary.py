@@ -40,8 +40,9 @@ def check_style(rope: str | None, d_head: int) -> str | None:
 
 def positions_for(positions: torch.Tensor | None, *, n: int, L: int, offset: int,
                   device: torch.device) -> torch.Tensor:
-    """Positions ``t[n τ]`` as int64: ``positions`` given as ``(L,)`` or ``(n, L)``
-    integers, or by default ``offset, …, offset + L − 1`` (offset: tokens already cached)."""
+    """Positions ``t[n τ]`` as int64: ``positions`` given as ``(L,)``, ``(1, L)`` or
+    ``(n, L)`` integers, or by default ``offset, …, offset + L − 1`` (offset: the tokens
+    already cached)."""
     if positions is None:
         return torch.arange(offset, offset + L, device=device).expand(n, L)
     if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point \
@@ -49,9 +50,9 @@ def positions_for(positions: torch.Tensor | None, *, n: int, L: int, offset: int
         what = positions.dtype if isinstance(positions, torch.Tensor) else \
             type(positions).__name__
         raise EinattnError(f"positions must be an integer tensor t[τ] or t[n τ], got {what}")
-    if positions.shape not in ((L,), (n, L)):
+    if positions.shape not in ((L,), (1, L), (n, L)):
         raise EinattnError(f"positions has shape {tuple(positions.shape)} but t[τ] or t[n τ] "
-                           f"needs ({L},) or ({n}, {L}) (n={n}, τ={L})")
+                           f"needs ({L},), (1, {L}) or ({n}, {L}) (n={n}, τ={L})")
     return positions.to(device=device, dtype=torch.int64).expand(n, L)
 
 

@@ -226,18 +226,21 @@ BAD = {
                            r"W_O must be 3-D W_O\[μ a i\], got \(30, 30\)"),
     "from_fused-W-rows": (lambda: MultiHeadAttention.from_fused(torch.ones(80, 30),
                                                                 torch.ones(5, 6, 30)),
-                          r"W has shape \(80, 30\) but this layer's W needs \(90, 30\): from "
+                          r"W has shape \(80, 30\) but this layer's W needs shape \(90, 30\): from "
                           r"W_O, μ=5, a=6, i=30; g=5"),
     "from_fused-grouped-W": (lambda: MultiHeadAttention.from_fused(
                                  torch.ones(90, 30), torch.ones(6, 5, 30), n_kv_heads=2),
-                             r"W has shape \(90, 30\) but this layer's W needs \(50, 30\)"),
+                             r"W has shape \(90, 30\) but this layer's W needs shape \(50, 30\)"),
     "from_fused-b_O": (lambda: MultiHeadAttention.from_fused(
                            torch.ones(90, 30), torch.ones(5, 6, 30), torch.ones(90),
                            torch.ones(29)),
-                       r"b_O has shape \(29,\) but this layer's b_O needs \(30,\)"),
-    "from_fused-b-missing": (lambda: MultiHeadAttention.from_fused(
-                                 torch.ones(90, 30), torch.ones(5, 6, 30), b_O=torch.ones(30)),
-                             r"b has shape None but this layer's b needs \(90,\)"),
+                       r"b_O has shape \(29,\) but this layer's b_O needs shape \(30,\)"),
+    "from_fused-b-not-a-tensor": (lambda: MultiHeadAttention.from_fused(
+                                      torch.ones(90, 30), torch.ones(5, 6, 30), b=[0.0] * 90),
+                                  r"b has type list but this layer's b needs shape \(90,\)"),
+    "from_fused-n_heads-option": (lambda: MultiHeadAttention.from_fused(
+                                      torch.ones(90, 30), torch.ones(5, 6, 30), n_heads=5),
+                                  r"from_fused takes n_heads from the weights"),
     "from_fused-dtype-option": (lambda: MultiHeadAttention.from_fused(
                                     torch.ones(90, 30), torch.ones(5, 6, 30), dtype=F64),
                                 r"from_fused takes dtype from the weights"),

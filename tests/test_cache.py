@@ -154,3 +154,27 @@ def test_heads_must_match_the_cache():
     _layer(None, None, "einsum")(torch.ones(N, 3, D, dtype=F64), cache=cache)
     with pytest.raises(EinattnError, match=r"index 'g' has size 2 in the new keys but 6"):
         _layer(None, 2, "einsum")(torch.ones(N, 1, D, dtype=F64), cache=cache)
+
+
+def test_a_call_that_raises_leaves_the_cache_as_it_was():
+    layer = _layer("half", 2, "chunked", dropout=0.1)
+    x = randn(N, L, D, seed=10)
+    cache = KVCache()
+    layer.eval()(x[:, :4], cache=cache)
+    K, V = cache.K, cache.V
+    with pytest.raises(EinattnError, match=r"mask has shape \(5, 5\)"):
+        layer(x[:, 4:6], cache=cache, mask=torch.ones(5, 5, dtype=torch.bool))
+    with pytest.raises(EinattnError, match=r"impl='chunked' has no dropout"):
+        layer.train()(x[:, 4:6], cache=cache)
+    assert len(cache) == 4 and cache.K is K and cache.V is V and cache.padding is None
+    layer.eval()
+    assert_close_scaled(torch.cat([layer(x[:, :4]), layer(x[:, 4:], cache=cache)], 1)[:, 4:],
+                        layer(x)[:, 4:], TOL[F64])
+
+
+def test_the_cache_refuses_a_context_and_other_objects():
+    layer = _layer(None, None, "einsum")
+    with pytest.raises(EinattnError, match=r"a KVCache holds self-attention's keys and values"):
+        layer(_ones(3), _ones(5), cache=KVCache())
+    with pytest.raises(EinattnError, match=r"cache must be an einattn.KVCache, got dict"):
+        layer(_ones(3), cache={})

@@ -103,6 +103,8 @@ W_bad, W_O_bad = torch.ones(50, D), torch.ones(H, A, D)
 ERRORS = {
     "qk not a layer": (lambda: circuits.qk(torch.nn.Linear(3, 3)),
                        r"layer must be an einattn.MultiHeadAttention, got Linear"),
+    "qk with rope": (lambda: circuits.qk(MultiHeadAttention(D, H, d_head=A + 1, rope="half")),
+                     r"this layer has rope='half': its scores turn Q and K by the positions"),
     "ov not a layer": (lambda: circuits.ov("layer"),
                        r"layer must be an einattn.MultiHeadAttention, got str"),
     "qk rows": (lambda: circuits.qk_circuit(torch.ones(49, D), n_heads=H, n_kv_heads=2),

@@ -606,3 +606,13 @@ def test_from_fused_holds_copies_of_the_fused_weights(n_kv_heads, bias):
     x = torch.randn(2, 7, 24, dtype=torch.float64)
     assert torch.equal(copy(x), layer(x))
     assert copy.W.data_ptr() != layer.W.data_ptr()  # a copy, not a view of the other's
+
+
+def test_from_fused_with_one_bias_makes_the_other_zero():
+    torch.manual_seed(4)
+    W, W_O = torch.randn(90, 30, dtype=torch.float64), torch.randn(5, 6, 30, dtype=torch.float64)
+    b_O = torch.randn(30, dtype=torch.float64)
+    layer = MultiHeadAttention.from_fused(W, W_O, b_O=b_O)
+    assert torch.equal(layer.b, torch.zeros(90, dtype=torch.float64))
+    x = torch.randn(2, 4, 30, dtype=torch.float64)
+    assert torch.equal(layer(x), MultiHeadAttention.from_fused(W, W_O)(x) + b_O)

@@ -185,8 +185,8 @@ ERRORS = {
                        r"positions must be an integer tensor .* got list"),
     "positions shape": (lambda: MultiHeadAttention(D, H, rope="half")(
                             torch.ones(N, L, D), positions=torch.arange(L + 1)),
-                        r"positions has shape \(8,\) but t\[τ\] or t\[n τ\] needs \(7,\) or "
-                        r"\(2, 7\) \(n=2, τ=7\)"),
+                        r"positions has shape \(8,\) but t\[τ\] or t\[n τ\] needs \(7,\), "
+                        r"\(1, 7\) or \(2, 7\) \(n=2, τ=7\)"),
     "positions without rope": (lambda: MultiHeadAttention(D, H)(
                                    torch.ones(N, L, D), positions=torch.arange(L)),
                                r"positions= only matters with rope='half' or 'interleaved'"),
@@ -216,3 +216,11 @@ def test_compiled_with_rope_and_groups_equals_eager(impl):
     positions = torch.arange(L) + 7
     assert_close_scaled(compiled(x, positions=positions), layer(x, positions=positions),
                         TOL[F64])
+
+
+def test_positions_broadcast_over_the_batch():
+    layer = MultiHeadAttention(D, H, rope="half", causal=True, dtype=F64)
+    x = randn(N, L, D, seed=15)
+    t = torch.arange(L) + 11
+    assert torch.equal(layer(x, positions=t[None]), layer(x, positions=t))
+    assert torch.equal(layer(x, positions=t[None]), layer(x, positions=t.expand(N, L)))
