@@ -50,11 +50,18 @@ def _pair(a: str, b: str, out: str, shape_a, shape_b) -> Pair | None:
     right = [c for c in b if c not in a]
     dims = [size[c] for c in batch]
     middle = batch + left + right
-    plan_c = _unarrange(middle, out, tuple(size[c] for c in middle))
-    if not batch and list(b) == right + con:  # B is an nn.Linear weight B[right con]
-        plan_a = _arrange(a, left + con, (_prod(left, size), _prod(con, size)), shape_a)
-        plan_b = _arrange(b, right + con, (_prod(right, size), _prod(con, size)), shape_b)
-        return lambda A, B: plan_c(F.linear(plan_a(A), plan_b(B)))
+    if not batch:  # A keeps its left axes: matmul and F.linear take any leading axes
+        A_shape = (*(size[c] for c in left), _prod(con, size))
+        plan_a = _arrange(a, left + con, A_shape, shape_a)
+        plan_c = _unarrange(middle, out, tuple(size[c] for c in middle),
+                            (*A_shape[:-1], _prod(right, size)))
+        if list(b) == right + con:  # B is an nn.Linear weight B[right con]
+            plan_b = _arrange(b, right + con, (_prod(right, size), _prod(con, size)), shape_b)
+            return lambda A, B: plan_c(F.linear(plan_a(A), plan_b(B)))
+        plan_b = _arrange(b, con + right, (_prod(con, size), _prod(right, size)), shape_b)
+        return lambda A, B: plan_c(torch.matmul(plan_a(A), plan_b(B)))
+    plan_c = _unarrange(middle, out, tuple(size[c] for c in middle),
+                        (*dims, _prod(left, size), _prod(right, size)))
     plan_a = _arrange(a, batch + left + con, (*dims, _prod(left, size), _prod(con, size)),
                       shape_a)
     plan_b = _arrange(b, batch + con + right, (*dims, _prod(con, size), _prod(right, size)),
@@ -76,12 +83,16 @@ def _arrange(have: str, want: list[str], shape: tuple[int, ...],
     return _same if tuple(current) == shape else lambda t: t.reshape(shape)
 
 
-def _unarrange(have: list[str], want: str, shape: tuple[int, ...]) -> Callable:
-    """Reshape a matmul result to one axis per index of ``have``, then permute to ``want``."""
+def _unarrange(have: list[str], want: str, shape: tuple[int, ...],
+               current: tuple[int, ...]) -> Callable:
+    """Reshape a matmul result (of shape ``current``) to one axis per index of ``have``,
+    then permute to ``want``; no call at all for a step that would change nothing."""
     order = tuple(have.index(c) for c in want)
-    if order == tuple(range(len(order))):
-        return lambda t: t.reshape(shape)
-    return lambda t: t.reshape(shape).permute(order)
+    if order != tuple(range(len(order))):
+        if current == shape:
+            return lambda t: t.permute(order)
+        return lambda t: t.reshape(shape).permute(order)
+    return _same if current == shape else lambda t: t.reshape(shape)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
