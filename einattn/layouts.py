@@ -156,15 +156,16 @@ def to_bma(W: torch.Tensor, *, n_heads: int, n_kv_heads: int | None = None) -> t
 
 # -- other libraries' layouts ------------------------------------------------------------
 
-def _fused_sizes(W_O) -> tuple[int, int, int]:
+def fused_sizes(W_O) -> tuple[int, int, int]:
     """``(μ, a, i)`` read from ``W_O[μ a i]``, checked to be a 3-D tensor."""
     _check_ndim(W_O, "W_O", "μ a i")
     n_heads, a, i = W_O.shape
     return n_heads, a, i
 
 
-def _check_fused(W, b, W_O, b_O, g: int, r: int) -> None:
-    """Check ``W[(g C a) i]``, ``b[(g C a)]``, ``b_O[i]`` against ``W_O[μ a i]``."""
+def check_fused(W, b, W_O, b_O, g: int, r: int) -> None:
+    """Check ``W[(g C a) i]``, ``b[(g C a)]``, ``b_O[i]`` (either bias may be None) against
+    ``W_O[μ a i]``, with g groups of r query heads (``g = μ``, ``r = 1`` without grouping)."""
     n_heads, a, i = W_O.shape
     grouping = f", g={g}, C=r+2={r + 2}" if r > 1 else ", B=3"
     sizes = f"μ={n_heads}, a={a}, i={i} from W_O{grouping}"
@@ -216,9 +217,9 @@ def to_hf_llama(W: torch.Tensor, W_O: torch.Tensor, *, n_kv_heads: int | None = 
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of :func:`from_hf_llama`: ``(q_proj, k_proj, v_proj, o_proj)`` weights
     from ``W[(g C a) i]`` and ``W_O[μ a i]`` (μ, a and i are read from ``W_O``)."""
-    n_heads, _, _ = _fused_sizes(W_O)
+    n_heads, _, _ = fused_sizes(W_O)
     g, r = groups(n_heads, n_kv_heads)
-    _check_fused(W, None, W_O, None, g, r)
+    check_fused(W, None, W_O, None, g, r)
     q_proj, k_proj, v_proj = split_qkv(W, n_heads=n_heads, n_kv_heads=g)
     return q_proj, k_proj, v_proj, rearrange(W_O, "μ a i -> i (μ a)")
 
@@ -268,8 +269,8 @@ def to_gpt2(W: torch.Tensor, b: torch.Tensor | None, W_O: torch.Tensor, b_O: tor
     """The inverse of :func:`from_gpt2`: ``(c_attn_weight, c_attn_bias, c_proj_weight,
     c_proj_bias)`` from ``W[(μ B a) i]``, ``b``, ``W_O[μ a i]`` and ``b_O`` (μ, a and i are
     read from ``W_O``; GPT-2 has no grouped-query attention)."""
-    n_heads, _, i = _fused_sizes(W_O)
-    _check_fused(W, b, W_O, b_O, n_heads, 1)
+    n_heads, _, i = fused_sizes(W_O)
+    check_fused(W, b, W_O, b_O, n_heads, 1)
     c_attn_weight = rearrange(W, "(μ B a) i -> i (B μ a)", μ=n_heads, B=3)
     c_proj_weight = rearrange(W_O, "μ a i -> (μ a) i")
     biases = _zeros_where_missing(W, {"b": b, "b_O": b_O}, {"b": (W.shape[0],), "b_O": (i,)})
@@ -333,9 +334,9 @@ def to_transformer_lens(W: torch.Tensor, W_O: torch.Tensor, b: torch.Tensor | No
     ``W_V[g i a]``, ``W_O[μ a i]``, ``b_Q[μ a]``, ``b_K[g a]``, ``b_V[g a]``, ``b_O[i]``
     (biases None without ``b`` and ``b_O``) from ``W[(g C a) i]`` and ``W_O[μ a i]``;
     ``from_transformer_lens(**to_transformer_lens(W, W_O, ...))`` gives them back."""
-    n_heads, _, i = _fused_sizes(W_O)
+    n_heads, _, i = fused_sizes(W_O)
     g, r = groups(n_heads, n_kv_heads)
-    _check_fused(W, b, W_O, b_O, g, r)
+    check_fused(W, b, W_O, b_O, g, r)
     heads = {"n_heads": n_heads, "n_kv_heads": g}
     W_q, W_k, W_v = split_qkv(W, **heads)
     out = {"W_Q": rearrange(W_q, "(μ a) i -> μ i a", μ=n_heads),

@@ -199,29 +199,15 @@ class MultiHeadAttention(nn.Module):
         ``W[(g C a) i]`` with ``n_kv_heads``), ``W_O[μ a i]`` and the biases ``b``, ``b_O``
         (None for no bias; one given alone makes the other zero); ``n_heads``, ``d_head`` and
         ``d_model`` are read from ``W_O``."""
-        if not isinstance(W_O, torch.Tensor) or W_O.ndim != 3:
-            shape = tuple(W_O.shape) if isinstance(W_O, torch.Tensor) else type(W_O).__name__
-            raise EinattnError(f"W_O must be 3-D W_O[μ a i], got {shape}")
-        n_heads, d_head, d_model = W_O.shape
+        n_heads, d_head, d_model = layouts.fused_sizes(W_O)
         _check_fixed("from_fused", layer_options)
+        layouts.check_fused(W, b, W_O, b_O, *layouts.groups(n_heads, n_kv_heads))
         layer = cls(d_model, n_heads, d_head=d_head, n_kv_heads=n_kv_heads,
                     bias=b is not None or b_O is not None, device=W_O.device, dtype=W_O.dtype,
                     **layer_options)
-        if layer.b is not None:  # one bias given: the other is zero, as in from_projections
-            b = torch.zeros_like(layer.b) if b is None else b
-            b_O = torch.zeros_like(layer.b_O) if b_O is None else b_O
-        given = {"W": W, "W_O": W_O, "b": b, "b_O": b_O}
-        for name, t in given.items():
-            want = getattr(layer, name)
-            if want is not None and (not isinstance(t, torch.Tensor) or t.shape != want.shape):
-                have = (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else
-                        f"type {type(t).__name__}")
-                raise EinattnError(f"{name} has {have} but this layer's {name} needs shape "
-                                   f"{tuple(want.shape)}: from W_O, μ={n_heads}, a={d_head}, "
-                                   f"i={d_model}; g={layer.n_kv_heads}")
-        with torch.no_grad():
-            for name, t in given.items():
-                if getattr(layer, name) is not None:
+        with torch.no_grad():  # a bias not given stays as initialised: zero
+            for name, t in {"W": W, "W_O": W_O, "b": b, "b_O": b_O}.items():
+                if t is not None:
                     getattr(layer, name).copy_(t)
         return layer
 

@@ -223,21 +223,22 @@ BAD = {
                              r"dropout must be in \[0, 1\), got 0\.1"),
     "from_fused-W_O-2-D": (lambda: MultiHeadAttention.from_fused(torch.ones(90, 30),
                                                                   torch.ones(30, 30)),
-                           r"W_O must be 3-D W_O\[μ a i\], got \(30, 30\)"),
+                           r"W_O has shape \(30, 30\) but W_O\[μ a i\] is 3-D"),
     "from_fused-W-rows": (lambda: MultiHeadAttention.from_fused(torch.ones(80, 30),
                                                                 torch.ones(5, 6, 30)),
-                          r"W has shape \(80, 30\) but this layer's W needs shape \(90, 30\): from "
-                          r"W_O, μ=5, a=6, i=30; g=5"),
+                          r"W has shape \(80, 30\) but W\[\(μ B a\) i\] needs \(90, 30\) with μ=5, "
+                          r"a=6, i=30 from W_O, B=3"),
     "from_fused-grouped-W": (lambda: MultiHeadAttention.from_fused(
                                  torch.ones(90, 30), torch.ones(6, 5, 30), n_kv_heads=2),
-                             r"W has shape \(90, 30\) but this layer's W needs shape \(50, 30\)"),
+                             r"W has shape \(90, 30\) but W\[\(g C a\) i\] needs \(50, 30\) "
+                             r"with μ=6, a=5, i=30 from W_O, g=2, C=r\+2=5"),
     "from_fused-b_O": (lambda: MultiHeadAttention.from_fused(
                            torch.ones(90, 30), torch.ones(5, 6, 30), torch.ones(90),
                            torch.ones(29)),
-                       r"b_O has shape \(29,\) but this layer's b_O needs shape \(30,\)"),
+                       r"b_O has shape \(29,\) but b_O\[i\] needs \(30,\)"),
     "from_fused-b-not-a-tensor": (lambda: MultiHeadAttention.from_fused(
                                       torch.ones(90, 30), torch.ones(5, 6, 30), b=[0.0] * 90),
-                                  r"b has type list but this layer's b needs shape \(90,\)"),
+                                  r"b must be a torch.Tensor, got list"),
     "from_fused-n_heads-option": (lambda: MultiHeadAttention.from_fused(
                                       torch.ones(90, 30), torch.ones(5, 6, 30), n_heads=5),
                                   r"from_fused takes n_heads from the weights"),
