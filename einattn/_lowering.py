@@ -25,19 +25,30 @@ import torch.nn.functional as F
 Pair = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def contraction(subscripts: str, shapes: list[tuple[int, ...]]) -> Callable[..., torch.Tensor]:
+def contraction(subscripts: str, shapes: list[tuple[int, ...]],
+                given: list[tuple[int, ...]] | None = None) -> Callable[..., torch.Tensor]:
     """A function computing ``torch.einsum(subscripts, *operands)`` for operands of
-    ``shapes``, lowered to matmul for two operands that allow it."""
+    ``shapes`` (one axis per letter), lowered to matmul for two operands that allow it.
+
+    ``given``: the shapes the operands arrive in, where a group of letters may still be one
+    axis (``W[(μ B a) i]`` as a 2-D weight). A lowered pair opens a group only where it
+    must permute across it, so a weight that already lies as the matmul reads it is used
+    as it is."""
+    given = shapes if given is None else given
     inputs, out = subscripts.split("->")
     terms = inputs.split(",")
     if len(terms) == 2:
-        lowered = _pair(terms[0], terms[1], out, shapes[0], shapes[1])
+        lowered = _pair(terms[0], terms[1], out, shapes, given)
         if lowered is not None:
             return lowered
-    return partial(torch.einsum, subscripts)
+    if given == shapes:
+        return partial(torch.einsum, subscripts)
+    return lambda *ops: torch.einsum(subscripts, *(t.reshape(shape)
+                                                   for t, shape in zip(ops, shapes, strict=True)))
 
 
-def _pair(a: str, b: str, out: str, shape_a, shape_b) -> Pair | None:
+def _pair(a: str, b: str, out: str, shapes, given) -> Pair | None:
+    (shape_a, shape_b), (given_a, given_b) = shapes, given
     if len(set(a)) < len(a) or len(set(b)) < len(b):
         return None
     if any(c not in b and c not in out for c in a) or any(c not in a and c not in out for c in b):
@@ -52,35 +63,54 @@ def _pair(a: str, b: str, out: str, shape_a, shape_b) -> Pair | None:
     middle = batch + left + right
     if not batch:  # A keeps its left axes: matmul and F.linear take any leading axes
         A_shape = (*(size[c] for c in left), _prod(con, size))
-        plan_a = _arrange(a, left + con, A_shape, shape_a)
+        plan_a = _arrange(a, left + con, A_shape, shape_a, given_a)
         plan_c = _unarrange(middle, out, tuple(size[c] for c in middle),
                             (*A_shape[:-1], _prod(right, size)))
         if list(b) == right + con:  # B is an nn.Linear weight B[right con]
-            plan_b = _arrange(b, right + con, (_prod(right, size), _prod(con, size)), shape_b)
-            return lambda A, B: plan_c(F.linear(plan_a(A), plan_b(B)))
-        plan_b = _arrange(b, con + right, (_prod(con, size), _prod(right, size)), shape_b)
-        return lambda A, B: plan_c(torch.matmul(plan_a(A), plan_b(B)))
+            plan_b = _arrange(b, right + con, (_prod(right, size), _prod(con, size)), shape_b,
+                              given_b)
+            return _around(F.linear, plan_a, plan_b, plan_c)
+        plan_b = _arrange(b, con + right, (_prod(con, size), _prod(right, size)), shape_b,
+                          given_b)
+        return _around(torch.matmul, plan_a, plan_b, plan_c)
     plan_c = _unarrange(middle, out, tuple(size[c] for c in middle),
                         (*dims, _prod(left, size), _prod(right, size)))
     plan_a = _arrange(a, batch + left + con, (*dims, _prod(left, size), _prod(con, size)),
-                      shape_a)
+                      shape_a, given_a)
     plan_b = _arrange(b, batch + con + right, (*dims, _prod(con, size), _prod(right, size)),
-                      shape_b)
-    return lambda A, B: plan_c(torch.matmul(plan_a(A), plan_b(B)))
+                      shape_b, given_b)
+    return _around(torch.matmul, plan_a, plan_b, plan_c)
+
+
+def _around(op: Pair, plan_a: Callable, plan_b: Callable, plan_c: Callable) -> Pair:
+    """``plan_c(op(plan_a(A), plan_b(B)))``, leaving out the plans that change nothing (the
+    per-call cost at small sizes is the number of Python calls)."""
+    if plan_a is _same and plan_c is _same:
+        return op if plan_b is _same else (lambda A, B: op(A, plan_b(B)))
+    if plan_c is _same:
+        return lambda A, B: op(plan_a(A), plan_b(B))
+    return lambda A, B: plan_c(op(plan_a(A), plan_b(B)))
 
 
 def _prod(indices: list[str], size: dict[str, int]) -> int:
     return math.prod(size[c] for c in indices)
 
 
-def _arrange(have: str, want: list[str], shape: tuple[int, ...],
+def _arrange(have: str, want: list[str], shape: tuple[int, ...], atomic: tuple[int, ...],
              current: tuple[int, ...]) -> Callable:
-    """Permute axes from ``have`` to ``want`` order, then reshape to ``shape``; no call at
-    all where the operand already is so (``current``: its shape)."""
+    """Permute axes from ``have`` to ``want`` order, then reshape to ``shape``. The operand
+    arrives in shape ``current``; its groups are opened (to ``atomic``, one axis per index)
+    only for a permutation, and no call at all is made where it already is as wanted."""
     order = tuple(have.index(c) for c in want)
-    if order != tuple(range(len(order))):
-        return lambda t: t.permute(order).reshape(shape)
-    return _same if tuple(current) == shape else lambda t: t.reshape(shape)
+    if order == tuple(range(len(order))):
+        return _same if tuple(current) == shape else lambda t: t.reshape(shape)
+    opened = tuple(current) != tuple(atomic)
+    if tuple(atomic[k] for k in order) == shape:  # the permutation alone gives the shape
+        return (lambda t: t.reshape(atomic).permute(order)) if opened else \
+            (lambda t: t.permute(order))
+    if opened:
+        return lambda t: t.reshape(atomic).permute(order).reshape(shape)
+    return lambda t: t.permute(order).reshape(shape)
 
 
 def _unarrange(have: list[str], want: str, shape: tuple[int, ...],

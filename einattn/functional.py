@@ -21,7 +21,6 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from einops import rearrange
 
 from . import layouts, rotary
 from . import masks as _masks
@@ -44,6 +43,12 @@ VALUES_GQA = Equation("Z[n (g r) τ a] = A[n (g r) τ σ] V[n g σ a]")
 def open_fused(W: torch.Tensor, n_heads: int, n_kv_heads: int | None = None) -> torch.Tensor:
     """View the fused weight ``W[(g C a) i]`` as ``W[g C a i]`` after checking its rows
     (``W[(μ B a) i]`` as ``W[μ B a i]`` without grouping)."""
+    g, r = _fused_groups(W, n_heads, n_kv_heads)
+    return W.unflatten(0, (g, r + 2, -1))  # W[(g C a) i] -> W[g C a i]
+
+
+def _fused_groups(W, n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:
+    """``(g, r)`` for a fused weight whose rows have been checked against them."""
     if not isinstance(W, torch.Tensor) or W.ndim != 2:
         shape = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
         raise EinattnError(f"W must be 2-D W[(μ B a) i], got {shape}")
@@ -53,7 +58,7 @@ def open_fused(W: torch.Tensor, n_heads: int, n_kv_heads: int | None = None) -> 
         raise EinattnError(
             f"W has {W.shape[0]} rows; {layout} rows with {_counts(g, r)}, "
             f"so a multiple of {g * (r + 2)}")
-    return W.unflatten(0, (g, r + 2, -1))  # W[(g C a) i] -> W[g C a i]
+    return g, r
 
 
 def _counts(g: int, r: int) -> str:
@@ -74,22 +79,21 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
     >>> tuple(Q.shape), tuple(K.shape)
     ((2, 4, 5, 4), (2, 4, 5, 4))
     """
-    W4 = open_fused(W, n_heads, n_kv_heads)
-    r = W4.shape[1] - 2
-    grouped = r > 1
-    b4 = None if b is None else _open_bias(b, W4)
-    if context is None:
-        return _slots(_project(x, W4, b4, grouped=grouped), r, 1, 1)
+    g, r = _fused_groups(W, n_heads, n_kv_heads)
+    b4 = None if b is None else _open_bias(b, g, r + 2, W.shape[0] // (g * (r + 2)))
+    if context is None:  # W as it lies: the matmul reads W[(g C a) i] as an nn.Linear weight
+        sizes = {"g": g, "C": r + 2} if r > 1 else {"μ": g, "B": 3}
+        return _slots(_project(x, W, b4, r > 1, **sizes), r, 1, 1)
     _check_context(x, context)
-    (Q,) = _slots(_project(x, W4[:, :r], None if b4 is None else b4[:r], grouped=grouped), r)
-    K, V = _slots(_project(context, W4[:, r:], None if b4 is None else b4[r:], grouped=grouped),
-                  1, 1)
+    W4 = W.unflatten(0, (g, r + 2, -1))  # W[g C a i], to take Q's rows from K's and V's
+    (Q,) = _slots(_project(x, W4[:, :r], None if b4 is None else b4[:r], r > 1), r)
+    K, V = _slots(_project(context, W4[:, r:], None if b4 is None else b4[r:], r > 1), 1, 1)
     return Q, K, V
 
 
-def _project(x: torch.Tensor, W4: torch.Tensor, b4: torch.Tensor | None, *,
-             grouped: bool) -> torch.Tensor:
-    P = (PROJECT_GQA if grouped else PROJECT)(X=x, W=W4)
+def _project(x: torch.Tensor, W: torch.Tensor, b4: torch.Tensor | None, grouped: bool,
+             **sizes: int) -> torch.Tensor:
+    P = (PROJECT_GQA if grouped else PROJECT)(X=x, W=W, **sizes)
     return P if b4 is None else P + b4
 
 
@@ -99,9 +103,13 @@ def _slots(P: torch.Tensor, *counts: int) -> tuple[torch.Tensor, ...]:
     The split runs in the order the matmul laid P out, ``(n τ g C a)``, so that backward
     writes one gradient in that order: indexing ``P[:r], P[r], P[r+1]`` would zero-fill a
     full-size gradient per slot, sum them and copy the sum back into the matmul's order.
+    Where every part is one slot (no grouping) an ``unbind`` splits with the fewest views.
     """
-    parts = P.permute(_IN_MEMORY_ORDER).split_with_sizes(counts, dim=3)
-    return tuple(part.permute(_HEADS_FIRST).flatten(1, 2) for part in parts)
+    P = P.permute(_IN_MEMORY_ORDER)
+    if all(count == 1 for count in counts):
+        return tuple(part.transpose(1, 2) for part in P.unbind(3))
+    return tuple(part.permute(_HEADS_FIRST).flatten(1, 2)
+                 for part in P.split_with_sizes(counts, dim=3))
 
 
 def _axes(pattern: str) -> tuple[int, ...]:
@@ -114,13 +122,17 @@ _IN_MEMORY_ORDER = _axes("C n g τ a -> n τ g C a")
 _HEADS_FIRST = _axes("n τ g r a -> n g r τ a")  # then (g r) flattened into μ
 
 
-def _open_bias(b: torch.Tensor, W4: torch.Tensor) -> torch.Tensor:
-    g, C, d_head, _ = W4.shape
-    if b.shape != (g * C * d_head,):
+def _open_bias(b: torch.Tensor, g: int, C: int, d_head: int) -> torch.Tensor:
+    """``b[(g C a)]`` as ``b[C 1 g 1 a]``, to broadcast over ``P[C n g τ a]``."""
+    if not isinstance(b, torch.Tensor) or b.shape != (g * C * d_head,):
+        shape = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
         layout = "b[(μ B a)]" if C == 3 else "b[(g C a)]"
-        raise EinattnError(f"b has shape {tuple(b.shape)} but {layout} needs "
+        raise EinattnError(f"b has shape {shape} but {layout} needs "
                            f"({g * C * d_head},) with {_counts(g, C - 2)}, a={d_head}")
-    return rearrange(b, "(g C a) -> C 1 g 1 a", g=g, C=C)
+    return b.view(g, C, 1, 1, d_head).permute(_BIAS_ORDER)
+
+
+_BIAS_ORDER = _axes("g C n τ a -> C n g τ a")
 
 
 def _check_context(x: torch.Tensor, context: torch.Tensor) -> None:
@@ -217,6 +229,8 @@ def attention_mask(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dty
     """The mask ``M[n μ τ σ]`` of equation (3), from a user mask (checked and broadcast),
     a key padding mask ``(n, σ)`` (True = padding, ignored) and, with ``causal=True``, the
     bottom-right causal mask."""
+    if mask is None and key_padding_mask is None and not causal:
+        return None
     shape = {"n": n, "n_heads": n_heads, "L_q": L_q, "L_k": L_k, "dtype": dtype}
     user = None if mask is None else _masks.as_nmts(mask, name="mask", **shape)
     padding = None

@@ -65,10 +65,10 @@ class _Plan:
     """Everything a call needs once the sizes of one signature are known and checked."""
 
     operand_slots: tuple[int, ...]  # occurrence -> position in the unique-name list
-    reshapes: tuple[tuple[int, tuple[int, ...]], ...]  # (occurrence, shape with groups opened)
+    reshapes: tuple[tuple[int, tuple[int, ...]], ...]  # (occurrence, groups opened), for steps
     scale_slot: int  # occurrence to multiply by the scale, or -1
     scale: float
-    whole: Callable[..., torch.Tensor]  # the contraction in one step (one or two operands)
+    whole: Callable[..., torch.Tensor]  # one step (one or two operands, groups as given)
     steps: tuple[tuple[tuple[int, ...], Callable], ...]  # (operands popped, step), for more
     out_shape: tuple[int, ...] | None
     direct: bool  # nothing to do but ``whole`` over the tensors as given
@@ -77,11 +77,11 @@ class _Plan:
         if self.direct:
             return self.whole(*tensors)
         ops = [tensors[k] for k in self.operand_slots]
-        for k, shape in self.reshapes:
-            ops[k] = ops[k].reshape(shape)
         if self.scale_slot >= 0:
             ops[self.scale_slot] = ops[self.scale_slot] * self.scale
         if self.steps:
+            for k, shape in self.reshapes:
+                ops[k] = ops[k].reshape(shape)
             for popped, step in self.steps:
                 ops.append(step(*[ops.pop(k) for k in popped]))
             out = ops[0]
@@ -237,19 +237,19 @@ class Equation:
         out = self._parsed.output
         out_shape = tuple(math.prod(sizes[i] for i in axis.indices) for axis in out.axes)
         slots = tuple(self.operands.index(t.name) for t in terms)
-        reshapes = tuple((k, atomic[k]) for k, t in enumerate(terms)
-                         if len(shapes[t.name]) != len(t.indices))
+        given = [shapes[t.name] for t in terms]
         steps = self._steps(atomic, sizes) if len(terms) > 2 else ()
         plan = _Plan(
             operand_slots=slots,
-            reshapes=reshapes,
+            reshapes=tuple((k, atomic[k]) for k, t in enumerate(terms)
+                           if len(given[k]) != len(t.indices)),
             scale_slot=scale_slot,
             scale=scale,
-            whole=contraction(self._subscripts(), atomic),
+            whole=contraction(self._subscripts(), atomic, given),
             steps=steps,
             out_shape=out_shape if out.grouped else None,
-            direct=(slots == tuple(range(len(slots))) and not reshapes and scale_slot < 0
-                    and not steps and not out.grouped),
+            direct=(slots == tuple(range(len(slots))) and scale_slot < 0 and not steps
+                    and not out.grouped),
         )
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()

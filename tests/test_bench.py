@@ -116,7 +116,7 @@ def test_every_form_is_the_same_layer(size):
     forms = bench.build(size, dtype=torch.float64,
                         paths=tuple(p for p in bench.PATHS if p not in bench.unavailable()))
     x, dy = bench.inputs(size, dtype=torch.float64)
-    W_q, W_k, W_v, W_o, *_ = forms["einsum"].layer.projections()
+    W_q, W_k, W_v, W_o, *_ = forms["einsum"].projections()
     x_ref = x.detach().clone().requires_grad_()
     y_ref = reference.multi_head_attention(x_ref, W_q, W_k, W_v, W_o, n_heads=size.heads,
                                            causal=size.causal)
@@ -130,7 +130,8 @@ def test_every_form_is_the_same_layer(size):
 
 def test_forms_share_weights_but_not_gradients():
     forms = bench.build(bench.Size(1, 3, 8, 2))
-    assert forms["einsum"].layer is forms["sdpa"].layer  # the einattn forms: one layer
+    assert forms["einsum"].W is forms["sdpa"].W is forms["chunked"].W  # one layer's weights
+    assert [forms[p].impl for p in ("einsum", "sdpa", "chunked")] == ["einsum", "sdpa", "chunked"]
     others = [p for name in ("textbook", "torch_mha", "linear_sdpa")
               for p in forms[name].parameters()]
     assert not {id(p) for p in forms["einsum"].parameters()} & {id(p) for p in others}
