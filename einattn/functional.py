@@ -304,6 +304,7 @@ def _attend(Q, K, V, key_padding_mask, *, W_O, b_O, n_heads: int, mask, causal: 
             dropout: float, need_weights: bool, return_intermediates: bool, impl: str,
             block_size: int):
     """Equations (2)–(5) from Q, K, V by ``impl``, with the weights or every stage if asked."""
+    causal = causal and Q.shape[2] > 1  # aligned bottom-right, one query sees every key
     M = attention_mask(n=Q.shape[0], n_heads=n_heads, L_q=Q.shape[2], L_k=K.shape[2],
                        dtype=Q.dtype, device=Q.device, mask=mask,
                        key_padding_mask=key_padding_mask)

@@ -49,6 +49,20 @@ def test_chunked_prefill_equals_one_causal_forward(rope, g, impl):
     assert_close_scaled(_decode(layer, x, [3, 8]), layer(x), TOL[F64])
 
 
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+def test_a_one_token_step_sees_every_cached_key(impl):
+    """Causal masking aligned bottom-right hides nothing from a single query, so a decoding
+    step runs without a mask and equals the unmasked call exactly."""
+    layer = _layer("half", 2, impl)
+    x = randn(N, 6, D, seed=9)
+    steps = []
+    for causal in (True, False):
+        cache = KVCache()
+        layer(x[:, :5], cache=cache)
+        steps.append(layer(x[:, 5:], cache=cache, causal=causal))
+    assert torch.equal(*steps)
+
+
 def test_gradients_flow_through_the_cache_as_through_one_forward():
     layer = _layer("half", 2, "einsum")
     x = randn(N, L, D, seed=3)
