@@ -7,7 +7,8 @@ eager against ``torch.compile``, and peak memory in a subprocess per form. It pr
 issue's targets as PASS, FAIL or SKIP and asserts nothing. See docs/performance.md.
 
     python benchmarks/attention.py [--quick] [--json] [--no-compile] [--no-memory]
-                                   [--sizes N,L,D,H ...] [--repeats R]
+                                   [--sizes N,L,D,H ...] [--repeats R] [--threads T]
+                                   [--clock wall|cpu]
 """
 
 from __future__ import annotations

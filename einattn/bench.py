@@ -122,13 +122,14 @@ class Settings:
     memory_lengths: tuple[int, ...] = MEMORY_LENGTHS  # () = no memory runs
     quick: bool = False
     threads: int | None = None  # torch intra-op threads; None: leave torch's setting
+    clock: str = "wall"  # a key of CLOCKS
     why_no_compile: str = ""
     why_no_memory: str = ""
 
     @classmethod
     def build(cls, *, quick: bool = False, compile: bool = True, memory: bool = True,
               sizes: tuple[Size, ...] | None = None, rounds: int | None = None,
-              threads: int | None = None) -> Settings:
+              threads: int | None = None, clock: str | None = None) -> Settings:
         """The full run, or with ``quick`` the tiny one (two small sizes, 3 rounds, one
         memory length of 1024, no compile). ``sizes`` replaces the sizes, and then compile
         runs at every one of them; ``rounds`` replaces the number of rounds."""
@@ -143,6 +144,8 @@ class Settings:
             s = replace(s, rounds=rounds)
         if threads is not None:
             s = replace(s, threads=threads)
+        if clock is not None:
+            s = replace(s, clock=clock)
         if not compile:
             s = replace(s, compile_sizes=(), why_no_compile="--no-compile")
         if not memory:
@@ -312,11 +315,17 @@ class Timing:
                 "calls_per_sample": self.calls_per_sample}
 
 
-def _clock(fn: Callable[[], None], number: int) -> float:
-    start = time.perf_counter()
+# "cpu": the process's CPU time, which leaves out the time a shared machine runs someone
+# else; it is the work of the forms' threads, not their latency, so use it with --threads 1.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _clock(fn: Callable[[], None], number: int, clock: str = "wall") -> float:
+    now = CLOCKS[clock]
+    start = now()
     for _ in range(number):
         fn()
-    return time.perf_counter() - start
+    return now() - start
 
 
 def time_interleaved(steps: dict[str, Callable[[], None]], settings: Settings) \
@@ -329,7 +338,7 @@ def time_interleaved(steps: dict[str, Callable[[], None]], settings: Settings) \
     for name, fn in steps.items():
         for _ in range(settings.warmup):
             fn()
-        once = min(_clock(fn, 1) for _ in range(3 if settings.sample_s else 1))
+        once = min(_clock(fn, 1, settings.clock) for _ in range(3 if settings.sample_s else 1))
         number[name] = max(1, math.ceil(settings.sample_s / max(once, 1e-9)))
     samples: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
@@ -340,7 +349,8 @@ def time_interleaved(steps: dict[str, Callable[[], None]], settings: Settings) \
         for r in range(settings.rounds):
             shift = r % len(names)
             for name in names[shift:] + names[:shift]:
-                samples[name].append(_clock(steps[name], number[name]) / number[name])
+                samples[name].append(_clock(steps[name], number[name], settings.clock)
+                                     / number[name])
     finally:
         if was_enabled:
             gc.enable()
@@ -623,6 +633,7 @@ class Report:
         return {
             "machine": self.machine(),
             "settings": {"quick": s.quick, "rounds": s.rounds, "warmup": s.warmup,
+                         "clock": s.clock,
                          "sample_s": s.sample_s, "sizes": [x.as_json() for x in s.sizes],
                          "compile_sizes": [x.as_json() for x in s.compile_sizes],
                          "memory_lengths": list(s.memory_lengths)},
@@ -698,6 +709,9 @@ def _percent(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:.0f}%"
 
 
+CLOCK_NAMES = {"wall": "wall-clock time", "cpu": "process CPU time"}
+
+
 def _count(k: int | None, noun: str) -> str:
     return f"{k} {noun}{'' if k == 1 else 's'}"
 
@@ -719,7 +733,7 @@ def lines(report: Report, table, paint) -> list[str]:
            f"({_count(m['cpu_count'], 'core')}, {_count(m['threads'], 'thread')}), float32, "
            f"bias-free, the same weights in every form",
            f"median of {_count(s.rounds, 'interleaved round')} after "
-           f"{_count(s.warmup, 'warm-up call')}; "
+           f"{_count(s.warmup, 'warm-up call')}, {CLOCK_NAMES[s.clock]}; "
            f"spread = IQR / median; forward under no_grad, forward+backward with dX and "
            f"every weight's gradient"]
     out += [f"skipped: {NAMES[name]}: {why}" for name, why in report.skipped.items()]

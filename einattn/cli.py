@@ -518,6 +518,9 @@ def bench_options(parser: argparse.ArgumentParser) -> None:
         "11, or 3 with --quick)")
     add("--threads", type=_positive, metavar="T", help="torch intra-op threads (default: "
         "torch's, one per core)")
+    add("--clock", choices=("wall", "cpu"), default="wall", help="time samples by the wall "
+        "clock (default) or by the process's CPU time, which leaves out the time a shared "
+        "machine spends on other work (use it with --threads 1)")
 
 
 @command("bench", "time einattn's einsum, sdpa and chunked paths against the textbook form, "
@@ -527,7 +530,8 @@ def bench_command(args: argparse.Namespace, paint: Paint) -> Output:
 
     settings = bench.Settings.build(quick=args.quick, compile=not args.no_compile,
                                     memory=not args.no_memory, sizes=args.sizes,
-                                    rounds=args.repeats, threads=args.threads)
+                                    rounds=args.repeats, threads=args.threads,
+                                    clock=args.clock)
     report = bench.run(settings, lambda text: print(f"einattn bench: {text}", file=sys.stderr,
                                                     flush=True))  # progress, off stdout
     return Output(report.as_json(), bench.lines(report, table, paint))

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -171,6 +172,23 @@ def test_settings():
     mine = bench.Settings.build(sizes=(bench.Size(1, 8, 8, 2),), rounds=4, memory=False)
     assert mine.compile_sizes == mine.sizes and mine.rounds == 4
     assert mine.memory_lengths == () and mine.why_no_memory == "--no-memory"
+
+
+def test_the_cpu_clock_leaves_out_time_spent_waiting():
+    """``--clock cpu`` times the process's work: a sleeping call costs it next to nothing."""
+    nap = lambda: time.sleep(0.05)  # noqa: E731
+    assert bench._clock(nap, 1, "wall") >= 0.05 > 0.02 > bench._clock(nap, 1, "cpu")
+    assert bench.Settings.build().clock == "wall"
+    assert bench.Settings.build(quick=True, clock="cpu").clock == "cpu"
+
+
+def test_the_clock_is_reported():
+    status, out, _ = einattn(*QUICK, "--clock", "cpu", "--repeats", "1", "--json")
+    assert status == 0 and json.loads(out)["settings"]["clock"] == "cpu"
+    status, out, _ = einattn(*QUICK, "--clock", "cpu", "--repeats", "1")
+    assert status == 0 and "process CPU time" in out.splitlines()[1]
+    status, _, err = einattn(*QUICK, "--clock", "sundial")
+    assert status == 2 and "invalid choice: 'sundial'" in err
 
 
 def test_timing_statistics():
