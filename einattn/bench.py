@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import EinattnError
 from .module import MultiHeadAttention
 
 # -- what runs ------------------------------------------------------------------------------
@@ -145,6 +146,9 @@ class Settings:
         if threads is not None:
             s = replace(s, threads=threads)
         if clock is not None:
+            if clock not in CLOCKS:
+                raise EinattnError(f"clock must be one of {', '.join(map(repr, CLOCKS))}, got "
+                                   f"{clock!r}")
             s = replace(s, clock=clock)
         if not compile:
             s = replace(s, compile_sizes=(), why_no_compile="--no-compile")
@@ -317,7 +321,10 @@ class Timing:
 
 # "cpu": the process's CPU time, which leaves out the time a shared machine runs someone
 # else; it is the work of the forms' threads, not their latency, so use it with --threads 1.
+# Compile times (the first compiled call) are wall-clock either way.
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+RESOLUTION = {name: time.get_clock_info(clock.__name__).resolution
+              for name, clock in CLOCKS.items()}
 
 
 def _clock(fn: Callable[[], None], number: int, clock: str = "wall") -> float:
@@ -339,7 +346,8 @@ def time_interleaved(steps: dict[str, Callable[[], None]], settings: Settings) \
         for _ in range(settings.warmup):
             fn()
         once = min(_clock(fn, 1, settings.clock) for _ in range(3 if settings.sample_s else 1))
-        number[name] = max(1, math.ceil(settings.sample_s / max(once, 1e-9)))
+        once = max(once, RESOLUTION[settings.clock], 1e-9)  # a coarse clock may read 0
+        number[name] = max(1, math.ceil(settings.sample_s / once))
     samples: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     gc.collect()

@@ -124,10 +124,11 @@ _HEADS_FIRST = _axes("n τ g r a -> n g r τ a")  # then (g r) flattened into μ
 
 def _open_bias(b: torch.Tensor, g: int, C: int, d_head: int) -> torch.Tensor:
     """``b[(g C a)]`` as ``b[C 1 g 1 a]``, to broadcast over ``P[C n g τ a]``."""
-    if not isinstance(b, torch.Tensor) or b.shape != (g * C * d_head,):
-        shape = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+    if not isinstance(b, torch.Tensor):
+        raise EinattnError(f"b must be a torch.Tensor, got {type(b).__name__}")
+    if b.shape != (g * C * d_head,):
         layout = "b[(μ B a)]" if C == 3 else "b[(g C a)]"
-        raise EinattnError(f"b has shape {shape} but {layout} needs "
+        raise EinattnError(f"b has shape {tuple(b.shape)} but {layout} needs "
                            f"({g * C * d_head},) with {_counts(g, C - 2)}, a={d_head}")
     return b.view(g, C, 1, 1, d_head).permute(_BIAS_ORDER)
 

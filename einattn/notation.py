@@ -237,15 +237,15 @@ class Equation:
         out = self._parsed.output
         out_shape = tuple(math.prod(sizes[i] for i in axis.indices) for axis in out.axes)
         slots = tuple(self.operands.index(t.name) for t in terms)
-        given = [shapes[t.name] for t in terms]
+        arriving = [shapes[t.name] for t in terms]  # groups of indices may still be one axis
         steps = self._steps(atomic, sizes) if len(terms) > 2 else ()
         plan = _Plan(
             operand_slots=slots,
             reshapes=tuple((k, atomic[k]) for k, t in enumerate(terms)
-                           if len(given[k]) != len(t.indices)),
+                           if steps and len(arriving[k]) != len(t.indices)),
             scale_slot=scale_slot,
             scale=scale,
-            whole=contraction(self._subscripts(), atomic, given),
+            whole=contraction(self._subscripts(), atomic, arriving),
             steps=steps,
             out_shape=out_shape if out.grouped else None,
             direct=(slots == tuple(range(len(slots))) and scale_slot < 0 and not steps

@@ -468,6 +468,7 @@ ERRORS = {
     "b size": (dict(b=torch.ones(47)), r"b has shape \(47,\) but b\[\(μ B a\)\] needs \(48,\) "
                r"with μ=4, B=3, a=4"),
     "b 2-D": (dict(b=torch.ones(48, 1)), r"b has shape \(48, 1\) but b\[\(μ B a\)\] needs \(48,\)"),
+    "b not a tensor": (dict(b=[0.0] * 48), r"b must be a torch.Tensor, got list"),
     "context 2-D": (dict(context=torch.ones(5, 16)),
                     r"x \(2, 5, 16\) and context \(5, 16\) must be 3-D X\[n τ i\] and C\[n σ i\]"),
     "context n": (dict(context=torch.ones(3, 7, 16)),
