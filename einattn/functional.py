@@ -107,9 +107,9 @@ def _slots(P: torch.Tensor, *counts: int) -> tuple[torch.Tensor, ...]:
     """
     P = P.permute(_IN_MEMORY_ORDER)
     if all(count == 1 for count in counts):
-        return tuple(part.transpose(1, 2) for part in P.unbind(3))
-    return tuple(part.permute(_HEADS_FIRST).flatten(1, 2)
-                 for part in P.split_with_sizes(counts, dim=3))
+        return tuple([part.transpose(1, 2) for part in P.unbind(3)])
+    return tuple([part.permute(_HEADS_FIRST).flatten(1, 2)
+                  for part in P.split_with_sizes(counts, dim=3)])
 
 
 def _axes(pattern: str) -> tuple[int, ...]:
@@ -230,8 +230,6 @@ def attention_mask(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dty
     """The mask ``M[n μ τ σ]`` of equation (3), from a user mask (checked and broadcast),
     a key padding mask ``(n, σ)`` (True = padding, ignored) and, with ``causal=True``, the
     bottom-right causal mask."""
-    if mask is None and key_padding_mask is None and not causal:
-        return None
     shape = {"n": n, "n_heads": n_heads, "L_q": L_q, "L_k": L_k, "dtype": dtype}
     user = None if mask is None else _masks.as_nmts(mask, name="mask", **shape)
     padding = None
@@ -282,9 +280,9 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     if cache is not None:
         _check_cache(cache, context)
     Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
-    if rotary.check_style(rope, Q.shape[-1]) is not None:
-        Q, K = _rotate(Q, K, rope, rope_base, positions, 0 if cache is None else len(cache),
-                       cross=context is not None)
+    if rope is not None:
+        Q, K = _rotate(Q, K, rotary.check_style(rope, Q.shape[-1]), rope_base, positions,
+                       0 if cache is None else len(cache), cross=context is not None)
     elif positions is not None:
         raise EinattnError("positions= only matters with rope='half' or 'interleaved'; this "
                            "attention has rope=None")
@@ -306,10 +304,13 @@ def _attend(Q, K, V, key_padding_mask, *, W_O, b_O, n_heads: int, mask, causal: 
             block_size: int):
     """Equations (2)–(5) from Q, K, V by ``impl``, with the weights or every stage if asked."""
     causal = causal and Q.shape[2] > 1  # aligned bottom-right, one query sees every key
-    M = attention_mask(n=Q.shape[0], n_heads=n_heads, L_q=Q.shape[2], L_k=K.shape[2],
-                       dtype=Q.dtype, device=Q.device, mask=mask,
-                       key_padding_mask=key_padding_mask)
-    if need_weights or return_intermediates or (impl == "einsum" and not _compiling()):
+    M = None
+    if mask is not None or key_padding_mask is not None:
+        M = attention_mask(n=Q.shape[0], n_heads=n_heads, L_q=Q.shape[2], L_k=K.shape[2],
+                           dtype=Q.dtype, device=Q.device, mask=mask,
+                           key_padding_mask=key_padding_mask)
+    if need_weights or return_intermediates or (
+            impl == "einsum" and not torch.compiler.is_compiling()):
         stages = _einsum_stages(Q, K, V, M, causal, dropout)
     else:
         impl = "sdpa" if impl == "einsum" else impl
@@ -357,6 +358,3 @@ def _einsum_stages(Q, K, V, M, causal: bool, dropout: float) -> dict[str, torch.
         A = torch.nn.functional.dropout(A, p=dropout)
     return {"S": S, "A": A, "Z": weighted_values(A, V)}
 
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
