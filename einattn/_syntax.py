@@ -11,7 +11,7 @@ Names are Python identifiers and may be Greek or several letters long.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import at
 
@@ -34,19 +34,18 @@ class Term:
     name: str
     axes: tuple[Axis, ...]
     position: int
+    # Derived from the axes once (every plan reads them): the atomic indices with groups
+    # opened, in axis order, their positions in the text, and whether any axis is a group.
+    indices: tuple[str, ...] = field(init=False)
+    positions: tuple[int, ...] = field(init=False)
+    grouped: bool = field(init=False)
 
-    @property
-    def indices(self) -> tuple[str, ...]:
-        """The atomic indices, with groups opened, in axis order."""
-        return tuple(i for axis in self.axes for i in axis.indices)
-
-    @property
-    def positions(self) -> tuple[int, ...]:
-        return tuple(p for axis in self.axes for p in axis.positions)
-
-    @property
-    def grouped(self) -> bool:
-        return any(axis.grouped for axis in self.axes)
+    def __post_init__(self) -> None:
+        derived = {"indices": tuple(i for axis in self.axes for i in axis.indices),
+                   "positions": tuple(p for axis in self.axes for p in axis.positions),
+                   "grouped": any(axis.grouped for axis in self.axes)}
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
 
     def text(self) -> str:
         return f"{self.name}[{' '.join(_axis_text(a) for a in self.axes)}]"

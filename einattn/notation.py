@@ -101,6 +101,7 @@ class Equation:
         self.text = text
         self._parsed: Parsed = parse(text)
         self._letters = _assign_letters(self._parsed, text)
+        self._subscripts = self._letter_subscripts()  # the einsum string, e.g. "nmta,nmsa->nmts"
         self._plans: dict[tuple, _Plan] = {}
         self.operands: tuple[str, ...] = tuple(dict.fromkeys(t.name for t in self._parsed.operands))
 
@@ -186,7 +187,7 @@ class Equation:
                      if self._parsed.scale in t.indices)
             size = ops[k].shape[self._parsed.operands[k].indices.index(self._parsed.scale)]
             ops[k] = ops[k] / math.sqrt(size)
-        out = torch.einsum(self._subscripts(), *ops)
+        out = torch.einsum(self._subscripts, *ops)
         start = 0
         for axis in self._parsed.output.axes:
             out = out.flatten(start, start + len(axis.indices) - 1)
@@ -213,7 +214,7 @@ class Equation:
         """
         shapes, given = self._split_arguments(arguments, allow_shapes=True)
         sizes = self._resolve(shapes, given)
-        subscripts = self._subscripts()
+        subscripts = self._subscripts
         atomic = [tuple(sizes[i] for i in t.indices) for t in self._parsed.operands]
         path, info = opt_einsum.contract_path(subscripts, *atomic, shapes=True)
         return Explanation(self.text, subscripts, sizes, list(path), int(info.opt_cost),
@@ -245,7 +246,7 @@ class Equation:
                            if steps and len(arriving[k]) != len(t.indices)),
             scale_slot=scale_slot,
             scale=scale,
-            whole=contraction(self._subscripts(), atomic, arriving),
+            whole=contraction(self._subscripts, atomic, arriving),
             steps=steps,
             out_shape=out_shape if out.grouped else None,
             direct=(slots == tuple(range(len(slots))) and scale_slot < 0 and not steps
@@ -258,7 +259,7 @@ class Equation:
 
     def _steps(self, atomic: list[tuple[int, ...]], sizes: dict[str, int]):
         """opt_einsum's pairwise order, each pair lowered (see ``_lowering``)."""
-        _, info = opt_einsum.contract_path(self._subscripts(), *atomic, shapes=True)
+        _, info = opt_einsum.contract_path(self._subscripts, *atomic, shapes=True)
         by_letter = {self._letters[i]: n for i, n in sizes.items()}
         steps = []
         for popped, _, subscripts, *_ in info.contraction_list:
@@ -267,7 +268,7 @@ class Equation:
             steps.append((tuple(popped), contraction(subscripts, shapes)))
         return tuple(steps)
 
-    def _subscripts(self) -> str:
+    def _letter_subscripts(self) -> str:
         def letters(term: Term) -> str:
             return "".join(self._letters[i] for i in term.indices)
 
