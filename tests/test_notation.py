@@ -9,6 +9,7 @@ twice (``X[τ i] ... X[σ j]``) the math itself forces two sizes to agree.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -467,6 +468,38 @@ def test_any_two_operand_equation_matches_einsum(spec):
     C = torch.randn([sizes[x] for x in right], dtype=torch.float64)
     want = es(f"{sub(left)},{sub(right)}->{sub(out)}", A, C)
     torch.testing.assert_close(Equation(text)(A=A, C=C), want, rtol=1e-12, atol=1e-12)
+
+
+def _grouped(draw, names: list[str]) -> list[list[str]]:
+    """``names`` cut into runs of adjacent indices, each run one axis: ``[[μ, a], [i]]``."""
+    cuts = [k for k in range(1, len(names)) if draw(st.booleans())]
+    bounds = [0, *cuts, len(names)]
+    return [names[lo:hi] for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_operands_passed_with_their_groups_closed_match_einsum(data):
+    """Operands arrive with groups of adjacent indices as single axes (as ``W[(μ B a) i]``
+    arrives 2-D): whether the lowering uses them as they lie or opens them, the result is
+    einsum's on the opened tensors."""
+    left, right, out, sizes = data.draw(_two_operand_equations())
+    axes_a, axes_c = _grouped(data.draw, left), _grouped(data.draw, right)
+
+    def term(name, axes):
+        return f"{name}[{' '.join('(' + ' '.join(g) + ')' if len(g) > 1 else g[0] for g in axes)}]"
+
+    letter = {name: "pqrstuvw"[k] for k, name in enumerate(_NAMES)}
+    A = torch.randn([sizes[x] for x in left], dtype=torch.float64)
+    C = torch.randn([sizes[x] for x in right], dtype=torch.float64)
+    closed = {name: t.reshape([math.prod(sizes[x] for x in g) for g in axes])
+              for name, t, axes in (("A", A, axes_a), ("C", C, axes_c))}
+    eq = Equation(f"O[{' '.join(out)}] = {term('A', axes_a)} {term('C', axes_c)}")
+    want = es(f"{''.join(letter[x] for x in left)},{''.join(letter[x] for x in right)}->"
+              f"{''.join(letter[x] for x in out)}", A, C)
+    for _ in range(2):  # planned, then from the plan cache
+        got = eq(**closed, **{k: v for k, v in sizes.items() if k in left + right})
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @settings(max_examples=40, deadline=None)
