@@ -325,6 +325,7 @@ class Timing:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 RESOLUTION = {name: time.get_clock_info(clock.__name__).resolution
               for name, clock in CLOCKS.items()}
+CLOCK_NAMES = {"wall": "wall-clock time", "cpu": "process CPU time"}
 
 
 def _clock(fn: Callable[[], None], number: int, clock: str = "wall") -> float:
@@ -715,9 +716,6 @@ def _times(x: float | None) -> str:
 
 def _percent(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:.0f}%"
-
-
-CLOCK_NAMES = {"wall": "wall-clock time", "cpu": "process CPU time"}
 
 
 def _count(k: int | None, noun: str) -> str:

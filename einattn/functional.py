@@ -85,7 +85,7 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
         sizes = {"g": g, "C": r + 2} if r > 1 else {"μ": g, "B": 3}
         return _slots(_project(x, W, b4, r > 1, **sizes), r, 1, 1)
     _check_context(x, context)
-    W4 = W.unflatten(0, (g, r + 2, -1))  # W[g C a i], to take Q's rows from K's and V's
+    W4 = open_fused(W, n_heads, n_kv_heads)  # W[g C a i], to take Q's rows apart from K's, V's
     (Q,) = _slots(_project(x, W4[:, :r], None if b4 is None else b4[:r], r > 1), r)
     K, V = _slots(_project(context, W4[:, r:], None if b4 is None else b4[r:], r > 1), 1, 1)
     return Q, K, V
