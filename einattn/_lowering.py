@@ -85,11 +85,12 @@ def _pair(a: str, b: str, out: str, shapes, given) -> Pair | None:
 def _around(op: Pair, plan_a: Callable, plan_b: Callable, plan_c: Callable) -> Pair:
     """``plan_c(op(plan_a(A), plan_b(B)))``, leaving out the plans that change nothing (the
     per-call cost at small sizes is the number of Python calls)."""
-    if plan_a is _same and plan_c is _same:
-        return op if plan_b is _same else (lambda A, B: op(A, plan_b(B)))
-    if plan_c is _same:
-        return lambda A, B: op(plan_a(A), plan_b(B))
-    return lambda A, B: plan_c(op(plan_a(A), plan_b(B)))
+    if plan_a is _same:
+        inner = op if plan_b is _same else (lambda A, B: op(A, plan_b(B)))
+    else:
+        inner = (lambda A, B: op(plan_a(A), B)) if plan_b is _same else \
+            (lambda A, B: op(plan_a(A), plan_b(B)))
+    return inner if plan_c is _same else (lambda A, B: plan_c(inner(A, B)))
 
 
 def _prod(indices: list[str], size: dict[str, int]) -> int:
@@ -100,17 +101,21 @@ def _arrange(have: str, want: list[str], shape: tuple[int, ...], atomic: tuple[i
              current: tuple[int, ...]) -> Callable:
     """Permute axes from ``have`` to ``want`` order, then reshape to ``shape``. The operand
     arrives in shape ``current``; its groups are opened (to ``atomic``, one axis per index)
-    only for a permutation, and no call at all is made where it already is as wanted."""
+    only for a permutation, and no call at all is made where it already is as wanted.
+
+    Here and in ``_unarrange`` sizes go to torch unpacked: its argument parser takes
+    ``reshape(2, 5, 16)`` about 0.5 µs faster than ``reshape((2, 5, 16))``, a tenth of a
+    small contraction."""
     order = tuple(have.index(c) for c in want)
-    if order == tuple(range(len(order))):
-        return _same if tuple(current) == shape else lambda t: t.reshape(shape)
+    if order == tuple(range(len(order))):  # ``shape`` is never empty: it holds the matmul's axes
+        return _same if tuple(current) == shape else lambda t: t.reshape(*shape)
     opened = tuple(current) != tuple(atomic)
     if tuple(atomic[k] for k in order) == shape:  # the permutation alone gives the shape
-        return (lambda t: t.reshape(atomic).permute(order)) if opened else \
-            (lambda t: t.permute(order))
+        return (lambda t: t.reshape(*atomic).permute(*order)) if opened else \
+            (lambda t: t.permute(*order))
     if opened:
-        return lambda t: t.reshape(atomic).permute(order).reshape(shape)
-    return lambda t: t.permute(order).reshape(shape)
+        return lambda t: t.reshape(*atomic).permute(*order).reshape(*shape)
+    return lambda t: t.permute(*order).reshape(*shape)
 
 
 def _unarrange(have: list[str], want: str, shape: tuple[int, ...],
@@ -120,9 +125,11 @@ def _unarrange(have: list[str], want: str, shape: tuple[int, ...],
     order = tuple(have.index(c) for c in want)
     if order != tuple(range(len(order))):
         if current == shape:
-            return lambda t: t.permute(order)
-        return lambda t: t.reshape(shape).permute(order)
-    return _same if current == shape else lambda t: t.reshape(shape)
+            return lambda t: t.permute(*order)
+        return lambda t: t.reshape(*shape).permute(*order)
+    if current == shape:
+        return _same
+    return (lambda t: t.reshape(*shape)) if shape else (lambda t: t.reshape(()))  # () : a scalar
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

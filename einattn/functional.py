@@ -18,7 +18,7 @@ Each function below runs its equation; :func:`multi_head_attention` composes the
 
 from __future__ import annotations
 
-from functools import partial
+from contextlib import nullcontext
 
 import torch
 
@@ -105,10 +105,10 @@ def _slots(P: torch.Tensor, *counts: int) -> tuple[torch.Tensor, ...]:
     full-size gradient per slot, sum them and copy the sum back into the matmul's order.
     Where every part is one slot (no grouping) an ``unbind`` splits with the fewest views.
     """
-    P = P.permute(_IN_MEMORY_ORDER)
-    if all(count == 1 for count in counts):
+    P = P.permute(*_IN_MEMORY_ORDER)
+    if max(counts) == 1:
         return tuple([part.transpose(1, 2) for part in P.unbind(3)])
-    return tuple([part.permute(_HEADS_FIRST).flatten(1, 2)
+    return tuple([part.permute(*_HEADS_FIRST).flatten(1, 2)
                   for part in P.split_with_sizes(counts, dim=3)])
 
 
@@ -130,7 +130,7 @@ def _open_bias(b: torch.Tensor, g: int, C: int, d_head: int) -> torch.Tensor:
         layout = "b[(μ B a)]" if C == 3 else "b[(g C a)]"
         raise EinattnError(f"b has shape {tuple(b.shape)} but {layout} needs "
                            f"({g * C * d_head},) with {_counts(g, C - 2)}, a={d_head}")
-    return b.view(g, C, 1, 1, d_head).permute(_BIAS_ORDER)
+    return b.view(g, C, 1, 1, d_head).permute(*_BIAS_ORDER)
 
 
 _BIAS_ORDER = _axes("g C n τ a -> C n g τ a")
@@ -289,14 +289,14 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
         raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
                            f"Y[n τ i] must have the model width of X[n τ i]")
-    attend = partial(_attend, W_O=W_O, b_O=b_O, n_heads=n_heads, mask=mask, causal=causal,
-                     dropout=dropout, need_weights=need_weights,
-                     return_intermediates=return_intermediates, impl=impl,
-                     block_size=block_size)
-    if cache is None:
-        return attend(Q, K, V, key_padding_mask)
-    with cache.undo_on_error():  # a call that raises leaves the cache as it was
-        return attend(Q, *cache.append(K, V, key_padding_mask))
+    # With a cache, this call's K and V join it; a call that raises leaves it as it was.
+    with nullcontext() if cache is None else cache.undo_on_error():
+        if cache is not None:
+            K, V, key_padding_mask = cache.append(K, V, key_padding_mask)
+        return _attend(Q, K, V, key_padding_mask, W_O=W_O, b_O=b_O, n_heads=n_heads, mask=mask,
+                       causal=causal, dropout=dropout, need_weights=need_weights,
+                       return_intermediates=return_intermediates, impl=impl,
+                       block_size=block_size)
 
 
 def _attend(Q, K, V, key_padding_mask, *, W_O, b_O, n_heads: int, mask, causal: bool,

@@ -81,13 +81,13 @@ class _Plan:
             ops[self.scale_slot] = ops[self.scale_slot] * self.scale
         if self.steps:
             for k, shape in self.reshapes:
-                ops[k] = ops[k].reshape(shape)
+                ops[k] = ops[k].reshape(*shape)
             for popped, step in self.steps:
                 ops.append(step(*[ops.pop(k) for k in popped]))
             out = ops[0]
         else:
             out = self.whole(*ops)
-        return out if self.out_shape is None else out.reshape(self.out_shape)
+        return out if self.out_shape is None else out.reshape(*self.out_shape)
 
 
 class Equation:
@@ -149,13 +149,12 @@ class Equation:
         if torch.compiler.is_compiling():
             return self._traced(arguments)
         try:
-            tensors = [arguments[name] for name in self.operands]
-            plan = self._plans.get(self._key(tensors, arguments))
-        except (KeyError, AttributeError, TypeError):  # missing, not a tensor, unhashable
+            plan = self._plans.get(_signature(arguments))
+        except TypeError:  # an unhashable argument: planning says what is wrong with it
             plan = None
         if plan is None:  # planned outside the except clause: no chained backend traceback
             plan = self._plan(arguments)
-            tensors = [arguments[name] for name in self.operands]
+        tensors = [arguments[name] for name in self.operands]
         try:
             return plan.run(tensors)
         except (RuntimeError, TypeError) as error:
@@ -193,14 +192,6 @@ class Equation:
             out = out.flatten(start, start + len(axis.indices) - 1)
             start += 1
         return out
-
-    def _key(self, tensors: list, arguments: dict[str, Any]) -> tuple:
-        # Shapes in operand order, then (name, size) keywords in call order: unsorted, as
-        # this runs on every call; a call with its keywords reordered just plans again.
-        shapes = tuple([t.shape for t in tensors])
-        if len(arguments) == len(tensors):
-            return shapes
-        return shapes + tuple([kv for kv in arguments.items() if kv[0] not in self.operands])
 
     def sizes(self, **arguments: Any) -> dict[str, int]:
         """The size of every index, from tensors (or shapes) and keyword sizes, checked."""
@@ -254,7 +245,7 @@ class Equation:
         )
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-        self._plans[self._key([arguments[n] for n in self.operands], arguments)] = plan
+        self._plans[_signature(arguments)] = plan
         return plan
 
     def _steps(self, atomic: list[tuple[int, ...]], sizes: dict[str, int]):
@@ -373,6 +364,14 @@ class Equation:
                          f"({' '.join(indices)}) of {term.name} (length {n}): give all but one "
                          f"as keywords, e.g. {unknown[0]}=...", self.text, *positions)
             pending = [g for g in pending if g not in progress]
+
+
+def _signature(arguments: dict[str, Any]) -> tuple:
+    """What a plan is cached by: the argument names in call order, then each tensor's shape
+    and each keyword size. Built on every call, so kept to one pass over the arguments; a
+    call with its keywords reordered plans once more."""
+    return tuple(arguments), *[v.shape if isinstance(v, torch.Tensor) else v
+                               for v in arguments.values()]
 
 
 def _axes(term: Term) -> str:
