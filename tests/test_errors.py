@@ -280,6 +280,8 @@ def test_wrong_shapes_after_a_cached_call_still_raise_einattn_error():
         eq(Q=q(2, 4, 5, 3))
     with pytest.raises(EinattnError, match=r"Q must be a torch\.Tensor, got ndarray"):
         eq(Q=q(2, 4, 5, 3).numpy(), K=q(2, 4, 7, 3))  # same shape as the cached plan
+    with pytest.raises(EinattnError, match=r"Q must be a torch\.Tensor, got Size"):
+        eq(Q=torch.Size([2, 4, 5, 3]), K=q(2, 4, 7, 3))  # equal to the cached plan's key
     assert len(eq._plans) == 1
 
 
