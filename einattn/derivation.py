@@ -48,9 +48,10 @@ def _split_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _projections(n_heads: int):
-    def three_linears(X, W):
+    def three_linears(X, W):  # P[n τ μ B a]: each linear's (μ a) opened, stacked at B
         W_q, W_k, W_v = layouts.split_qkv(W, n_heads=n_heads)
-        return torch.stack([_split_heads(F.linear(X, w), n_heads) for w in (W_q, W_k, W_v)])
+        return torch.stack([F.linear(X, w).unflatten(-1, (n_heads, -1)) for w in (W_q, W_k, W_v)],
+                           dim=3)
     return three_linears
 
 
@@ -77,7 +78,7 @@ def _concat_then_linear(Z, W_O):
 
 def _bma_projection(n_heads: int):
     def in_torch_layout(X, W):
-        return Equation("P[B n μ τ a] = X[n τ i] W[(B μ a) i]")(
+        return Equation("P[n τ μ B a] = X[n τ i] W[(B μ a) i]")(
             X=X, W=layouts.to_bma(W, n_heads=n_heads), μ=n_heads, B=3)
     return in_torch_layout
 
@@ -359,7 +360,7 @@ def mutations(sizes: dict[str, int] | None = None) -> list[Step]:
         Step("missing 1/√a scale", _scores_without_scale, _scores_scaled, self_sizes,
              exact=False, inputs={"Q": "n μ τ a", "K": "n μ σ a"}),
         Step("wrong group order (B μ a) read as (μ B a)", functional.PROJECT,
-             "P[B n μ τ a] = X[n τ i] W[(B μ a) i]", s, exact=True),
+             "P[n τ μ B a] = X[n τ i] W[(B μ a) i]", s, exact=True),
         Step("transposed W_O", functional.HEADS, _transposed_W_O, s, exact=True),
         Step("off-by-one causal mask", _softmax_boolean, _off_by_one_causal, self_sizes,
              exact=False, inputs={"S": "n μ τ σ"}),

@@ -1,6 +1,6 @@
 """The stages of multi-head attention, one equation each (numbered as in docs/derivation.md).
 
-    (1) P[B n μ τ a] = X[n τ i] W[(μ B a) i]          Q, K, V = P[Q], P[K], P[V]
+    (1) P[n τ μ B a] = X[n τ i] W[(μ B a) i]          Q[n μ τ a] = P[n τ μ Q a], K, V alike
     (2) S[n μ τ σ]   = Q[n μ τ a] K[n μ σ a] / √a
     (3) A[n μ τ σ]   = softmax_σ(S[n μ τ σ] + M[n μ τ σ])
     (4) Z[n μ τ a]   = A[n μ τ σ] V[n μ σ a]
@@ -9,7 +9,7 @@
 Grouped-query attention (``n_kv_heads`` groups g of r query heads, ``μ = (g r)``) runs
 (1g), (2g) and (4g) in place of (1), (2) and (4); (3) and (5) are unchanged:
 
-    (1g) P[C n g τ a] = X[n τ i] W[(g C a) i]          Q = P[:r], K = P[r], V = P[r+1]
+    (1g) P[n τ g C a] = X[n τ i] W[(g C a) i]          Q: slots C < r, K: C = r, V: C = r+1
     (2g) S[n (g r) τ σ] = Q[n (g r) τ a] K[n g σ a] / √a
     (4g) Z[n (g r) τ a] = A[n (g r) τ σ] V[n g σ a]
 
@@ -29,13 +29,13 @@ from .cache import KVCache
 from .errors import EinattnError
 from .notation import Equation
 
-PROJECT = Equation("P[B n μ τ a] = X[n τ i] W[(μ B a) i]")
+PROJECT = Equation("P[n τ μ B a] = X[n τ i] W[(μ B a) i]")
 SCORES = Equation("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a")
 SOFTMAX = "A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[n μ τ σ])"
 VALUES = Equation("Z[n μ τ a] = A[n μ τ σ] V[n μ σ a]")
 HEADS = Equation("Y[n τ i] = Z[n μ τ a] W_O[μ a i]")
 HEAD_TERMS = Equation("Y_μ[n μ τ i] = Z[n μ τ a] W_O[μ a i]")
-PROJECT_GQA = Equation("P[C n g τ a] = X[n τ i] W[(g C a) i]")
+PROJECT_GQA = Equation("P[n τ g C a] = X[n τ i] W[(g C a) i]")
 SCORES_GQA = Equation("S[n (g r) τ σ] = Q[n (g r) τ a] K[n g σ a] / √a")
 VALUES_GQA = Equation("Z[n (g r) τ a] = A[n (g r) τ σ] V[n g σ a]")
 
@@ -70,9 +70,9 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
                 context: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Equation (1): queries, keys and values of every head in one contraction.
 
-    ``P[B n μ τ a] = X[n τ i] W[(μ B a) i] (+ b[(μ B a)])``; B runs over Q, K, V. With a
+    ``P[n τ μ B a] = X[n τ i] W[(μ B a) i] (+ b[(μ B a)])``; B runs over Q, K, V. With a
     ``context``, Q is projected from ``x`` and K, V from ``context`` (cross-attention).
-    With ``n_kv_heads`` it is (1g), ``P[C n g τ a] = X[n τ i] W[(g C a) i]``: Q has
+    With ``n_kv_heads`` it is (1g), ``P[n τ g C a] = X[n τ i] W[(g C a) i]``: Q has
     ``n_heads`` heads ``μ = (g r)``, K and V have ``n_kv_heads``.
 
     >>> Q, K, V = project_qkv(torch.randn(2, 5, 16), torch.randn(48, 16), n_heads=4)
@@ -80,32 +80,31 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
     ((2, 4, 5, 4), (2, 4, 5, 4))
     """
     g, r = _fused_groups(W, n_heads, n_kv_heads)
-    b4 = None if b is None else _open_bias(b, g, r + 2, W.shape[0] // (g * (r + 2)))
+    b3 = None if b is None else _open_bias(b, g, r + 2, W.shape[0] // (g * (r + 2)))
     if context is None:  # W as it lies: the matmul reads W[(g C a) i] as an nn.Linear weight
         sizes = {"g": g, "C": r + 2} if r > 1 else {"μ": g, "B": 3}
-        return _slots(_project(x, W, b4, r > 1, **sizes), r, 1, 1)
+        return _slots(_project(x, W, b3, r > 1, **sizes), r, 1, 1)
     _check_context(x, context)
     W4 = open_fused(W, n_heads, n_kv_heads)  # W[g C a i], to take Q's rows apart from K's, V's
-    (Q,) = _slots(_project(x, W4[:, :r], None if b4 is None else b4[:r], r > 1), r)
-    K, V = _slots(_project(context, W4[:, r:], None if b4 is None else b4[r:], r > 1), 1, 1)
+    (Q,) = _slots(_project(x, W4[:, :r], None if b3 is None else b3[:, :r], r > 1), r)
+    K, V = _slots(_project(context, W4[:, r:], None if b3 is None else b3[:, r:], r > 1), 1, 1)
     return Q, K, V
 
 
-def _project(x: torch.Tensor, W: torch.Tensor, b4: torch.Tensor | None, grouped: bool,
+def _project(x: torch.Tensor, W: torch.Tensor, b3: torch.Tensor | None, grouped: bool,
              **sizes: int) -> torch.Tensor:
     P = (PROJECT_GQA if grouped else PROJECT)(X=x, W=W, **sizes)
-    return P if b4 is None else P + b4
+    return P if b3 is None else P + b3
 
 
 def _slots(P: torch.Tensor, *counts: int) -> tuple[torch.Tensor, ...]:
-    """Split ``P[C n g τ a]`` along C into parts of ``counts`` slots, each as ``[n (g r) τ a]``.
+    """Split ``P[n τ g C a]`` along C into parts of ``counts`` slots, each as ``[n (g r) τ a]``.
 
-    The split runs in the order the matmul laid P out, ``(n τ g C a)``, so that backward
-    writes one gradient in that order: indexing ``P[:r], P[r], P[r+1]`` would zero-fill a
-    full-size gradient per slot, sum them and copy the sum back into the matmul's order.
-    Where every part is one slot (no grouping) an ``unbind`` splits with the fewest views.
+    P lies as the matmul wrote it, so every part is a view, and backward writes the parts'
+    gradients into one tensor in that same order (indexing ``P[:, :, :, k]`` per slot would
+    zero-fill a full-size gradient for each and sum them). Where every part is one slot (no
+    grouping) an ``unbind`` splits with the fewest views.
     """
-    P = P.permute(*_IN_MEMORY_ORDER)
     if max(counts) == 1:
         return tuple([part.transpose(1, 2) for part in P.unbind(3)])
     return tuple([part.permute(*_HEADS_FIRST).flatten(1, 2)
@@ -118,22 +117,18 @@ def _axes(pattern: str) -> tuple[int, ...]:
     return tuple(have.index(index) for index in want)
 
 
-_IN_MEMORY_ORDER = _axes("C n g τ a -> n τ g C a")
 _HEADS_FIRST = _axes("n τ g r a -> n g r τ a")  # then (g r) flattened into μ
 
 
 def _open_bias(b: torch.Tensor, g: int, C: int, d_head: int) -> torch.Tensor:
-    """``b[(g C a)]`` as ``b[C 1 g 1 a]``, to broadcast over ``P[C n g τ a]``."""
+    """``b[(g C a)]`` as ``b[g C a]``, which broadcasts over ``P[n τ g C a]``."""
     if not isinstance(b, torch.Tensor):
         raise EinattnError(f"b must be a torch.Tensor, got {type(b).__name__}")
     if b.shape != (g * C * d_head,):
         layout = "b[(μ B a)]" if C == 3 else "b[(g C a)]"
         raise EinattnError(f"b has shape {tuple(b.shape)} but {layout} needs "
                            f"({g * C * d_head},) with {_counts(g, C - 2)}, a={d_head}")
-    return b.view(g, C, 1, 1, d_head).permute(*_BIAS_ORDER)
-
-
-_BIAS_ORDER = _axes("g C n τ a -> C n g τ a")
+    return b.view(g, C, d_head)
 
 
 def _check_context(x: torch.Tensor, context: torch.Tensor) -> None:
