@@ -35,7 +35,7 @@ def cases():
 
     scores = Equation("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a]")
     scaled = Equation("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a")
-    project = Equation("P[B n μ τ a] = X[n τ i] W[(μ B a) i]")
+    project = Equation("P[n τ μ B a] = X[n τ i] W[(μ B a) i]")
     heads_ = Equation("Y[n τ i] = Z[n μ τ a] W_O[μ a i]")
     return [
         ("scores S = Q K",
@@ -46,7 +46,7 @@ def cases():
          lambda: torch.einsum("nhqd,nhkd->nhqk", q, k) / root),
         ("projection P = X W[(μ B a) i]",
          lambda: project(X=x, W=w, μ=heads, B=3),
-         lambda: torch.einsum("nti,hbdi->bnhtd", x, w.view(heads, 3, d_head, d_model))),
+         lambda: torch.einsum("nti,hbdi->nthbd", x, w.view(heads, 3, d_head, d_model))),
         ("heads Y = Z W_O",
          lambda: heads_(Z=z, W_O=w_o),
          lambda: torch.einsum("nhtd,hdi->nti", z, w_o)),

@@ -25,7 +25,7 @@ from einattn import errors as errors_module
 from einattn.errors import at
 
 SCORES = "S[n μ τ σ] = Q[n μ τ a] K[n μ σ a]"
-PROJECT = "P[B n μ τ a] = X[n τ i] W[(μ B a) i]"
+PROJECT = "P[n τ μ B a] = X[n τ i] W[(μ B a) i]"
 CHAIN = "S[τ σ] = X[τ i] Wq[(μ a) i] Wk[(μ a) j] X[σ j]"
 MANY = "O[] = T[" + " ".join(f"k{m}" for m in range(53)) + "]"  # 53 indices, 52 letters
 
