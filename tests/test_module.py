@@ -199,6 +199,37 @@ def test_state_dict_round_trip(bias):
         MultiHeadAttention(D, H, bias=not bias, dtype=F64).load_state_dict(sd)
 
 
+class _Doubled(nn.Module):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return 2 * t
+
+
+@pytest.mark.parametrize("name", ["W", "W_O", "b", "b_O"])
+def test_a_parametrized_weight_is_used_as_parametrized(name):
+    """With ``torch.nn.utils.parametrize`` a weight leaves ``_parameters``; forward must read
+    the parametrized value (here 2·weight), not skip the weight or read the stored one."""
+    from torch.nn.utils import parametrize
+    layer, doubled = _layer(seed=2), _layer(seed=2)
+    with torch.no_grad():
+        getattr(doubled, name).mul_(2)
+    parametrize.register_parametrization(layer, name, _Doubled())
+    x, context = randn(N, L_Q, D, seed=11), randn(N, L_K, D, seed=12)
+    for impl in ("einsum", "sdpa", "chunked"):
+        assert _close(layer(x, context, impl=impl), doubled(x, context, impl=impl))
+
+
+def test_functional_call_runs_the_layer_on_the_weights_it_is_given():
+    """``torch.func.functional_call`` swaps the tensors in ``_parameters`` for one call."""
+    layer, other = _layer(seed=3), _layer(seed=4)
+    x = randn(N, L_Q, D, seed=13)
+    weights = {k: v.detach().clone().requires_grad_() for k, v in other.named_parameters()}
+    Y = torch.func.functional_call(layer, weights, (x,))
+    assert torch.equal(Y, other(x)) and not torch.equal(Y, layer(x))
+    Y.sum().backward()
+    assert all(w.grad is not None for w in weights.values())
+    assert all(p.grad is None for p in layer.parameters())
+
+
 def test_to_dtype_moves_every_parameter_and_keeps_the_function():
     layer = _layer(dtype=torch.float32)
     x = randn(N, L_Q, D, seed=10)
