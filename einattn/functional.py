@@ -82,8 +82,8 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
     g, r = _fused_groups(W, n_heads, n_kv_heads)
     b3 = None if b is None else _open_bias(b, g, r + 2, W.shape[0] // (g * (r + 2)))
     if context is None:  # W as it lies: the matmul reads W[(g C a) i] as an nn.Linear weight
-        sizes = {"g": g, "C": r + 2} if r > 1 else {"μ": g, "B": 3}
-        return _slots(_project(x, W, b3, r > 1, **sizes), r, 1, 1)
+        P = PROJECT(X=x, W=W, μ=g, B=3) if r == 1 else PROJECT_GQA(X=x, W=W, g=g, C=r + 2)
+        return _slots(P if b3 is None else P + b3, r, 1, 1)
     _check_context(x, context)
     W4 = open_fused(W, n_heads, n_kv_heads)  # W[g C a i], to take Q's rows apart from K's, V's
     (Q,) = _slots(_project(x, W4[:, :r], None if b3 is None else b3[:, :r], r > 1), r)
@@ -91,9 +91,10 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
     return Q, K, V
 
 
-def _project(x: torch.Tensor, W: torch.Tensor, b3: torch.Tensor | None, grouped: bool,
-             **sizes: int) -> torch.Tensor:
-    P = (PROJECT_GQA if grouped else PROJECT)(X=x, W=W, **sizes)
+def _project(x: torch.Tensor, W4: torch.Tensor, b3: torch.Tensor | None,
+             grouped: bool) -> torch.Tensor:
+    """Equation (1) or (1g) over some of the slots of ``W[g C a i]`` (sizes read from it)."""
+    P = (PROJECT_GQA if grouped else PROJECT)(X=x, W=W4)
     return P if b3 is None else P + b3
 
 
