@@ -101,10 +101,11 @@ def _project(x: torch.Tensor, W4: torch.Tensor, b3: torch.Tensor | None,
 def _slots(P: torch.Tensor, *counts: int) -> tuple[torch.Tensor, ...]:
     """Split ``P[n τ g C a]`` along C into parts of ``counts`` slots, each as ``[n (g r) τ a]``.
 
-    P lies as the matmul wrote it, so every part is a view, and backward writes the parts'
-    gradients into one tensor in that same order (indexing ``P[:, :, :, k]`` per slot would
-    zero-fill a full-size gradient for each and sum them). Where every part is one slot (no
-    grouping) an ``unbind`` splits with the fewest views.
+    P lies as the matmul wrote it, so a part is a view (except grouped Q, whose ``(g r)`` is
+    not contiguous in P: ``flatten`` copies it), and backward writes the parts' gradients
+    into one tensor in that same order (indexing ``P[:, :, :, k]`` per slot would zero-fill a
+    full-size gradient for each and sum them). Where every part is one slot (no grouping)
+    an ``unbind`` splits with the fewest views.
     """
     if max(counts) == 1:
         return tuple([part.transpose(1, 2) for part in P.unbind(3)])

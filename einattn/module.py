@@ -135,8 +135,9 @@ class MultiHeadAttention(nn.Module):
         A parameter is taken from ``_parameters``, where ``nn.Module`` keeps it and where
         ``torch.func.functional_call`` swaps it: reading it as an attribute goes through
         ``nn.Module.__getattr__``, about 0.6 µs a read, a tenth of the layer's own time at
-        small sizes. A parametrized weight (``torch.nn.utils.parametrize``) is not kept
-        there and is read as the attribute its parametrization defines."""
+        small sizes. A weight that is not kept there is read as its attribute: a
+        parametrized one (``torch.nn.utils.parametrize``, ``weight_norm``), a pruned one,
+        FSDP's views, ``nn.DataParallel``'s replicas. So ``_parameters.get`` would not do."""
         p = self._parameters
         W, W_O, b, b_O = [p[name] if name in p else getattr(self, name)
                           for name in ("W", "W_O", "b", "b_O")]

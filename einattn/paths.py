@@ -30,10 +30,8 @@ def weighted_values(impl: str, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor
 
 def _sdpa(Q, K, V, mask, causal: bool, dropout: float) -> torch.Tensor:
     (_, μ, L_q, _), (_, g, L_k, _) = Q.shape, K.shape
-    if causal and mask is None and L_q == L_k:  # top-left and bottom-right agree
-        return F.scaled_dot_product_attention(Q, K, V, dropout_p=dropout, is_causal=True,
-                                              enable_gqa=g != μ)
-    if causal:
+    is_causal = causal and mask is None and L_q == L_k  # top-left and bottom-right agree
+    if causal and not is_causal:
         mask = masks.combine(mask, masks.causal_mask(L_q, L_k, device=Q.device))
     return F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, dropout_p=dropout,
-                                          enable_gqa=g != μ)
+                                          is_causal=is_causal, enable_gqa=g != μ)

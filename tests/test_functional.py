@@ -155,6 +155,21 @@ def test_project_qkv_per_head(cross, bias):
             assert_close_scaled(got[:, mu], want, TOL[F64])
 
 
+def test_q_k_v_without_grouping_are_views_of_one_projection():
+    """Equation (1) writes P[n τ μ B a] in the matmul's order: Q, K, V are views of that one
+    product (no copy, no permute there and back), and backward joins their gradients in it."""
+    x = randn(N, LQ, D, seed=4, requires_grad=True)
+    W = randn(3 * MU * A_, D, seed=5)
+    Q, K, V = F.project_qkv(x, W, n_heads=MU)
+    assert len({t.untyped_storage().data_ptr() for t in (Q, K, V)}) == 1
+    chain, node = [], Q.grad_fn  # from Q back to the matmul
+    while "Mm" not in node.name():
+        chain.append(node.name())
+        node = node.next_functions[0][0]
+    assert chain == ["TransposeBackward0", "UnbindBackward0", "ViewBackward0",
+                     "UnsafeViewBackward0"]
+
+
 def test_attention_scores_is_scaled_dot_product():
     Q, K = randn(N, MU, LQ, A_, seed=1), randn(N, MU, LK, A_, seed=2)
     S = F.attention_scores(Q, K)
