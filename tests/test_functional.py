@@ -170,6 +170,21 @@ def test_q_k_v_without_grouping_are_views_of_one_projection():
                      "UnsafeViewBackward0"]
 
 
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_q_k_v_split_alike_with_and_without_a_gradient(cross):
+    """Where P needs no gradient, (1)'s split is a permute and one unbind (two calls, not
+    four); it must give the very views that the split backward needs gives: the same values
+    and strides, all in P's storage."""
+    x, ctx = randn(N, LQ, D, seed=6), randn(N, LK, D, seed=7) if cross else None
+    W = randn(3 * MU * A_, D, seed=8)
+    plain = F.project_qkv(x, W, n_heads=MU, context=ctx)
+    tracked = F.project_qkv(x, W.clone().requires_grad_(), n_heads=MU, context=ctx)
+    for a, b in zip(plain, tracked, strict=True):
+        assert not a.requires_grad and b.requires_grad
+        assert a.stride() == b.stride() and torch.equal(a, b.detach())
+    assert len({t.untyped_storage().data_ptr() for t in plain}) == (2 if cross else 1)
+
+
 def test_attention_scores_is_scaled_dot_product():
     Q, K = randn(N, MU, LQ, A_, seed=1), randn(N, MU, LK, A_, seed=2)
     S = F.attention_scores(Q, K)
