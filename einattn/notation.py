@@ -72,10 +72,12 @@ class _Plan:
     steps: tuple[tuple[tuple[int, ...], Callable], ...]  # (operands popped, step), for more
     out_shape: tuple[int, ...] | None
     direct: bool  # nothing to do but ``whole`` over the tensors as given
+    call: Callable[..., torch.Tensor] = field(init=False, repr=False)  # what a call runs
 
-    def run(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        if self.direct:
-            return self.whole(*tensors)
+    def __post_init__(self) -> None:  # a direct plan's call is ``whole`` itself: no hop
+        object.__setattr__(self, "call", self.whole if self.direct else self._run)
+
+    def _run(self, *tensors: torch.Tensor) -> torch.Tensor:
         ops = [tensors[k] for k in self.operand_slots]
         if self.scale_slot >= 0:
             ops[self.scale_slot] = ops[self.scale_slot] * self.scale
@@ -154,9 +156,8 @@ class Equation:
             plan = None
         if plan is None:  # planned outside the except clause: no chained backend traceback
             plan = self._plan(arguments)
-        tensors = [arguments[name] for name in self.operands]
         try:
-            return plan.run(tensors)
+            return plan.call(*[arguments[name] for name in self.operands])
         except (RuntimeError, TypeError) as error:
             failure = error
         self._plan(arguments)  # raises an EinattnError if the arguments are at fault
@@ -368,10 +369,11 @@ class Equation:
 
 def _signature(arguments: dict[str, Any]) -> tuple:
     """What a plan is cached by: the argument names in call order, then each tensor's shape
-    and each keyword size. Built on every call, so kept to one pass over the arguments; a
-    call with its keywords reordered plans once more."""
-    return tuple(arguments), *[v.shape if isinstance(v, torch.Tensor) else v
-                               for v in arguments.values()]
+    and each keyword size, in one flat tuple (its length says how many names lead). Built on
+    every call, so kept to one pass over the arguments; a call with its keywords reordered
+    plans once more."""
+    return (*arguments, *[v.shape if isinstance(v, torch.Tensor) else v
+                          for v in arguments.values()])
 
 
 def _axes(term: Term) -> str:
