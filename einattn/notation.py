@@ -72,7 +72,7 @@ class _Plan:
     steps: tuple[tuple[tuple[int, ...], Callable], ...]  # (operands popped, step), for more
     out_shape: tuple[int, ...] | None
     direct: bool  # nothing to do but ``whole`` over the tensors as given
-    call: Callable[..., torch.Tensor] = field(init=False, repr=False)  # what a call runs
+    call: Callable[..., torch.Tensor] = field(init=False, repr=False, compare=False)  # what runs
 
     def __post_init__(self) -> None:  # a direct plan's call is ``whole`` itself: no hop
         object.__setattr__(self, "call", self.whole if self.direct else self._run)
