@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import layouts, rotary
+from . import _softmax, layouts, rotary
 from . import masks as _masks
 from . import paths as _paths
 from .cache import KVCache
@@ -175,19 +175,32 @@ def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None, *,
     tensor([[0.5000, 0.5000],
             [0.0000, 0.0000]])
     """
+    return _masked_softmax(S, mask, every_row_sees_a_key, scratch=False)
+
+
+def _masked_softmax(S: torch.Tensor, mask: torch.Tensor | None, every_row_sees_a_key: bool,
+                    *, scratch: bool) -> torch.Tensor:
+    """Equation (3); with ``scratch`` S may be spent: where :mod:`einattn._softmax` finds
+    that saves a buffer, the mask is applied to S in place and the softmax written over it."""
+    scratch = scratch and _softmax.spendable(S)
+    softmax = _softmax.over_scratch if scratch else _softmax_fresh
     if mask is None:
-        return torch.softmax(S, dim=-1)
+        return softmax(S)
     if mask.dtype == torch.bool:
         admissible = mask
-        S = S.masked_fill(~mask, float("-inf"))
+        S = (S.masked_fill_ if scratch else S.masked_fill)(~mask, float("-inf"))
     else:
         admissible = mask != float("-inf")
-        S = S + mask
+        S = S.add_(mask) if scratch else S + mask
     if every_row_sees_a_key:
-        return torch.softmax(S, dim=-1)
+        return softmax(S)
     dead = ~admissible.any(dim=-1, keepdim=True)
-    A = torch.softmax(S.masked_fill(dead, 0.0), dim=-1)
+    A = softmax((S.masked_fill_ if scratch else S.masked_fill)(dead, 0.0))
     return A.masked_fill(dead, 0.0)
+
+
+def _softmax_fresh(S: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(S, dim=-1)
 
 
 def weighted_values(A: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
@@ -309,9 +322,9 @@ def _attend(Q, K, V, key_padding_mask, W_O, b_O, n_heads: int, mask, causal: boo
         M = attention_mask(n=Q.shape[0], n_heads=n_heads, L_q=Q.shape[2], L_k=K.shape[2],
                            dtype=Q.dtype, device=Q.device, mask=mask,
                            key_padding_mask=key_padding_mask)
-    if need_weights or return_intermediates or (
-            impl == "einsum" and not torch.compiler.is_compiling()):
-        stages = _einsum_stages(Q, K, V, M, causal, dropout)
+    seen = need_weights or return_intermediates
+    if seen or (impl == "einsum" and not torch.compiler.is_compiling()):
+        stages = _einsum_stages(Q, K, V, M, causal, dropout, scratch=not seen)
     else:
         impl = "sdpa" if impl == "einsum" else impl
         Z = _paths.weighted_values(impl, Q, K, V, M, causal, dropout, block_size)
@@ -346,13 +359,15 @@ def _rotate(Q, K, style: str, base: float, positions, offset: int, *, cross: boo
     return rotary.rotate(Q, R, style), rotary.rotate(K, R, style)
 
 
-def _einsum_stages(Q, K, V, M, causal: bool, dropout: float) -> dict[str, torch.Tensor]:
-    """Equations (2)–(4) as written: S, A (after dropout, as applied) and Z."""
+def _einsum_stages(Q, K, V, M, causal: bool, dropout: float,
+                   scratch: bool) -> dict[str, torch.Tensor]:
+    """Equations (2)–(4) as written: S, A (after dropout, as applied) and Z. With
+    ``scratch`` nobody sees S or A, so the softmax may spend S's storage (then "S" holds A)."""
     only_causal = causal and M is None and Q.shape[2] <= K.shape[2]  # no row fully masked
     if causal:
         M = _masks.combine(M, _masks.causal_mask(Q.shape[2], K.shape[2], device=Q.device))
     S = attention_scores(Q, K)
-    A = masked_softmax(S, M, every_row_sees_a_key=only_causal)
+    A = _masked_softmax(S, M, only_causal, scratch=scratch)
     if dropout:
         A = torch.nn.functional.dropout(A, p=dropout)
     return {"S": S, "A": A, "Z": weighted_values(A, V)}
