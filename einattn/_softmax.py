@@ -1,15 +1,16 @@
 """The softmax of equation (3) written into the storage of its own scores.
 
-On this CPU a fresh buffer of ``L_q × L_k`` scores costs more than its arithmetic: a block
-that large is mapped from the kernel afresh and page-faults on first touch (at
-(2, 1024, 512, 8) the einsum path's forward+backward was 13 % faster with two such
-buffers fewer). Where S is scratch, the einsum path's own scores that nothing else reads or
+On a CPU a fresh buffer of ``L_q × L_k`` scores costs more than its arithmetic: glibc maps
+a block that large (always beyond 32 MiB) from the kernel afresh, and it page-faults on
+first touch (at (2, 1024, 512, 8), 64 MiB of scores, the einsum path's forward+backward
+was 13 % faster with two such buffers fewer, and made half the minor faults). Where S is scratch, the einsum path's own scores that nothing else reads or
 returns, :func:`over_scratch` writes ``A`` into S's storage, and in backward the scores'
 gradient into the incoming ``dA`` (the fresh product of equation (4)'s backward, or of
 dropout's, read by nobody else). The kernels are torch's own softmax and its backward, so the
-numbers are the same bit for bit. Elsewhere (CUDA, whose caching allocator makes a buffer
-cheap; a non-contiguous S; tensor subclasses such as DTensor; ``torch.func`` transforms; a
-second derivative) the caller keeps the ordinary out-of-place softmax.
+numbers are the same bit for bit. Elsewhere (scores under :data:`WORTH` bytes; CUDA, whose
+caching allocator makes a buffer cheap; a non-contiguous S; tensor subclasses such as
+DTensor; ``torch.func`` transforms; a second derivative) the caller keeps the ordinary
+out-of-place softmax.
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ import torch
 _aten = torch.ops.aten
 
 
+# Below this many bytes of scores a fresh buffer is cheap (glibc serves it from the heap
+# it keeps), and the autograd.Function's Python, ~50 µs forward+backward, is not.
+WORTH = 1 << 20
+
+
 def spendable(S: torch.Tensor) -> bool:
-    """Whether writing over S saves a buffer safely: a plain contiguous CPU tensor, outside
-    the ``torch.func`` transforms (their wrappers have no rule for ``out=``)."""
-    return (type(S) is torch.Tensor and S.device.type == "cpu" and S.is_contiguous()
+    """Whether writing over S saves enough to pay and is safe: a plain contiguous CPU tensor
+    of at least :data:`WORTH` bytes, outside the ``torch.func`` transforms (their wrappers
+    have no rule for ``out=``)."""
+    return (S.numel() * S.element_size() >= WORTH and type(S) is torch.Tensor
+            and S.device.type == "cpu" and S.is_contiguous()
             and not torch._C._functorch.is_functorch_wrapped_tensor(S))
 
 

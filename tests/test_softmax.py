@@ -17,6 +17,12 @@ from einattn import MultiHeadAttention, _softmax
 F64, F32 = torch.float64, torch.float32
 
 
+@pytest.fixture(autouse=True)
+def every_size_is_worth_it(monkeypatch):
+    """The tests' scores are tiny: let them take the in-place path all the same."""
+    monkeypatch.setattr(_softmax, "WORTH", 0)
+
+
 class _Probe(torch.autograd.Function):
     """Identity whose backward records the storage of the gradient it is given."""
 
@@ -76,6 +82,18 @@ def test_not_spendable(S, why):
 
 def test_spendable_scores():
     assert _softmax.spendable(randn(3, 4, seed=6))
+
+
+def test_small_scores_are_not_worth_spending(monkeypatch):
+    """Below WORTH bytes the Function's Python costs more than the buffer it saves."""
+    monkeypatch.setattr(_softmax, "WORTH", 8 * 12)
+    assert _softmax.spendable(randn(3, 4, seed=6))
+    assert not _softmax.spendable(randn(11, seed=6))
+    monkeypatch.undo()
+    layer = MultiHeadAttention(12, 3, d_head=5, dtype=F64)
+    with _Ops() as seen:
+        layer(randn(2, 7, 12, seed=8))
+    assert "_softmax.default" in seen.ops and "_softmax.out" not in seen.ops
 
 
 class _Ops(TorchDispatchMode):
