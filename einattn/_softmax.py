@@ -3,11 +3,13 @@
 On a CPU a fresh buffer of ``L_q × L_k`` scores costs more than its arithmetic: glibc maps
 a block that large (always beyond 32 MiB) from the kernel afresh, and it page-faults on
 first touch (at (2, 1024, 512, 8), 64 MiB of scores, the einsum path's forward+backward
-was 13 % faster with two such buffers fewer, and made half the minor faults). Where S is scratch, the einsum path's own scores that nothing else reads or
-returns, :func:`over_scratch` writes ``A`` into S's storage, and in backward the scores'
-gradient into the incoming ``dA`` (the fresh product of equation (4)'s backward, or of
-dropout's, read by nobody else). The kernels are torch's own softmax and its backward, so the
-numbers are the same bit for bit. Elsewhere (scores under :data:`WORTH` bytes; CUDA, whose
+was 13 % faster with two such buffers fewer, and made half the minor faults).
+
+Where S is scratch, the einsum path's own scores that nothing else reads or returns,
+:func:`over_scratch` writes ``A`` into S's storage, and in backward the scores' gradient
+into the incoming ``dA`` (the fresh product of equation (4)'s backward, or of dropout's,
+read by nobody else). The kernels are torch's own softmax and its backward, so the numbers
+are the same bit for bit. Elsewhere (scores under :data:`WORTH` bytes; CUDA, whose
 caching allocator makes a buffer cheap; a non-contiguous S; tensor subclasses such as
 DTensor; ``torch.func`` transforms; a second derivative) the caller keeps the ordinary
 out-of-place softmax.
