@@ -47,7 +47,9 @@ def as_nmts(mask: torch.Tensor, *, name: str, n: int, n_heads: int, L_q: int, L_
             f"{name} must be bool (True = may attend) or float (added to the scores), "
             f"got {mask.dtype}; for a mask where 0 = blocked pass `{name} != 0`")
     if mask.is_floating_point() and mask.dtype != dtype:
-        raise EinattnError(f"{name} is {mask.dtype} but the scores are {dtype}")
+        if not torch.is_autocast_enabled(mask.device.type):
+            raise EinattnError(f"{name} is {mask.dtype} but the scores are {dtype}")
+        mask = mask.to(dtype)  # under autocast the scores' dtype is autocast's, not the user's
     expanders = {2: (None, None), 3: (slice(None), None), 4: (slice(None), slice(None))}
     if mask.ndim not in expanders:
         raise EinattnError(f"{name} has {mask.ndim} axes {tuple(mask.shape)}; expected "

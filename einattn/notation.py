@@ -293,7 +293,8 @@ class Equation:
         first = arguments[self.operands[0]]
         for name in self.operands[1:]:
             t = arguments[name]
-            if t.dtype != first.dtype:
+            if t.dtype != first.dtype and not torch.is_autocast_enabled(t.device.type):
+                # (under autocast the backend casts the operands: Z is bfloat16, W_O is not)
                 raise at(f"{name} is {t.dtype} but {self.operands[0]} is {first.dtype}", self.text)
             if t.device != first.device:
                 raise at(f"{name} is on {t.device} but {self.operands[0]} is on {first.device}",

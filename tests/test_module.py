@@ -647,3 +647,26 @@ def test_from_fused_with_one_bias_makes_the_other_zero():
     assert torch.equal(layer.b, torch.zeros(90, dtype=torch.float64))
     x = torch.randn(2, 4, 30, dtype=torch.float64)
     assert torch.equal(layer(x), MultiHeadAttention.from_fused(W, W_O)(x) + b_O)
+
+
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+@pytest.mark.parametrize("masking", ["none", "causal", "bool", "float"])
+def test_the_layer_runs_under_autocast(impl, n_kv_heads, masking):
+    """``torch.autocast`` (CPU, bfloat16): float32 parameters, bfloat16 stages, float32
+    gradients; the output agrees with float32 to bfloat16's precision."""
+    layer = MultiHeadAttention(24, 4, d_head=5, n_kv_heads=n_kv_heads, impl=impl,
+                               dtype=torch.float32)
+    x = randn(3, 7, 24, seed=40, dtype=torch.float32, requires_grad=True)
+    allowed = randn(7, 7, seed=41) > -0.8
+    allowed[:, 0] = True  # no fully masked row: bfloat16 is compared, not the guard
+    kwargs = {"none": {}, "causal": {"causal": True}, "bool": {"mask": allowed},
+              "float": {"mask": torch.zeros(7, 7).masked_fill(~allowed, float("-inf"))}}[masking]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Y = layer(x, **kwargs)
+    assert Y.dtype == torch.bfloat16
+    Y.float().square().sum().backward()
+    assert layer.W.grad.dtype == torch.float32 and torch.isfinite(layer.W.grad).all()
+    expected = layer(x, **kwargs)
+    scale = expected.abs().max().item()
+    assert (Y.float() - expected).abs().max().item() <= 3e-2 * max(1.0, scale)
