@@ -19,6 +19,7 @@ import math
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import opt_einsum
@@ -74,8 +75,13 @@ class _Plan:
     direct: bool  # nothing to do but ``whole`` over the tensors as given
     call: Callable[..., torch.Tensor] = field(init=False, repr=False, compare=False)  # what runs
 
-    def __post_init__(self) -> None:  # a direct plan's call is ``whole`` itself: no hop
-        object.__setattr__(self, "call", self.whole if self.direct else self._run)
+    def __post_init__(self) -> None:  # the call with the fewest Python frames that will do
+        call = self._run
+        if self.direct:
+            call = self.whole
+        elif self.operand_slots == (0, 1) and not self.steps and self.out_shape is None:
+            call = _scaled(self.whole, self.scale_slot, self.scale)
+        object.__setattr__(self, "call", call)
 
     def _run(self, *tensors: torch.Tensor) -> torch.Tensor:
         ops = [tensors[k] for k in self.operand_slots]
@@ -156,8 +162,8 @@ class Equation:
             plan = None
         if plan is None:  # planned outside the except clause: no chained backend traceback
             plan = self._plan(arguments)
-        try:
-            return plan.call(*[arguments[name] for name in self.operands])
+        try:  # map over C callables: no Python frame per operand
+            return plan.call(*map(arguments.__getitem__, self.operands))
         except (RuntimeError, TypeError) as error:
             failure = error
         self._plan(arguments)  # raises an EinattnError if the arguments are at fault
@@ -371,10 +377,24 @@ class Equation:
 def _signature(arguments: dict[str, Any]) -> tuple:
     """What a plan is cached by: the argument names in call order, then each tensor's shape
     and each keyword size, in one flat tuple (its length says how many names lead). Built on
-    every call, so kept to one pass over the arguments; a call with its keywords reordered
-    plans once more."""
-    return (*arguments, *[v.shape if isinstance(v, torch.Tensor) else v
-                          for v in arguments.values()])
+    every call, so kept to one pass over the arguments in C (``getattr(v, "shape", v)``
+    mapped, no Python frame per argument); a call with its keywords reordered plans once
+    more. Anything else with a ``shape`` (a NumPy array) may find a tensor's plan, whose
+    backend call then fails and the call re-plans, which names the operand."""
+    values = arguments.values()
+    return (*arguments, *map(getattr, values, _SHAPE, values))
+
+
+_SHAPE = repeat("shape")  # getattr's second argument, as many times as map asks
+
+
+def _scaled(whole: Callable[..., torch.Tensor], slot: int,
+            scale: float) -> Callable[..., torch.Tensor]:
+    """``whole`` over two operands, the one at ``slot`` (0 or 1) multiplied by ``scale``
+    first: equation (2)'s ``/ √a`` folded into its smaller operand, in one Python frame."""
+    if slot == 0:
+        return lambda A, B: whole(A * scale, B)
+    return lambda A, B: whole(A, B * scale)
 
 
 def _axes(term: Term) -> str:

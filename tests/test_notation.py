@@ -261,6 +261,21 @@ def test_one_plan_has_no_backend_steps_beyond_a_single_einsum():
     assert plan.direct and plan.steps == () and plan.reshapes == ()
 
 
+@pytest.mark.parametrize("L_q, L_k", [(τ, σ), (σ, τ)], ids=["Q smaller", "K smaller"])
+def test_a_scaled_pair_runs_in_one_call_with_the_scale_applied_once(L_q, L_k):
+    """The scale folds into the smaller operand, whichever side it is on, and the plan's
+    call skips the general ``_run`` (the scale is its only extra)."""
+    eq = Equation("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a")
+    gen = torch.Generator().manual_seed(7)
+    Q = torch.randn(n, μ, L_q, a, dtype=torch.float64, generator=gen)
+    K = torch.randn(n, μ, L_k, a, dtype=torch.float64, generator=gen)
+    got = eq(Q=Q, K=K)
+    torch.testing.assert_close(got, es("nmta,nmsa->nmts", Q, K) / math.sqrt(a),
+                               rtol=1e-12, atol=1e-12)
+    (plan,) = eq._plans.values()
+    assert plan.scale_slot == (0 if L_q < L_k else 1)
+    assert plan.call != plan._run
+
 def test_chains_run_opt_einsums_path_once_per_shape(monkeypatch):
     text = "S[τ σ] = X[τ i] Wq[(μ a) i] Wk[(μ a) j] X[σ j]"
     eq = Equation(text)
