@@ -41,8 +41,12 @@ VALUES_GQA = Equation("Z[n (g r) τ a] = A[n (g r) τ σ] V[n g σ a]")
 def open_fused(W: torch.Tensor, n_heads: int, n_kv_heads: int | None = None) -> torch.Tensor:
     """View the fused weight ``W[(g C a) i]`` as ``W[g C a i]`` after checking its rows
     (``W[(μ B a) i]`` as ``W[μ B a i]`` without grouping)."""
-    g, r = _fused_groups(W, n_heads, n_kv_heads)
-    return W.unflatten(0, (g, r + 2, -1))  # W[(g C a) i] -> W[g C a i]
+    return _opened(W, *_fused_groups(W, n_heads, n_kv_heads))
+
+
+def _opened(W: torch.Tensor, g: int, r: int) -> torch.Tensor:
+    """``W[(g C a) i]`` as ``W[g C a i]``, for rows already checked against ``(g, r)``."""
+    return W.unflatten(0, (g, r + 2, -1))
 
 
 def _fused_groups(W, n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:
@@ -83,7 +87,7 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
         P = PROJECT(X=x, W=W, μ=g, B=3) if r == 1 else PROJECT_GQA(X=x, W=W, g=g, C=r + 2)
         return _slots(P if b3 is None else P + b3, r, 1, 1)
     _check_context(x, context)
-    W4 = open_fused(W, n_heads, n_kv_heads)  # W[g C a i], to take Q's rows apart from K's, V's
+    W4 = _opened(W, g, r)  # W[g C a i], to take Q's rows apart from K's, V's
     (Q,) = _slots(_project(x, W4[:, :r], None if b3 is None else b3[:, :r], r > 1), r)
     K, V = _slots(_project(context, W4[:, r:], None if b3 is None else b3[:, r:], r > 1), 1, 1)
     return Q, K, V
