@@ -276,6 +276,7 @@ def test_a_scaled_pair_runs_in_one_call_with_the_scale_applied_once(L_q, L_k):
     assert plan.scale_slot == (0 if L_q < L_k else 1)
     assert plan.call != plan._run
 
+
 def test_chains_run_opt_einsums_path_once_per_shape(monkeypatch):
     text = "S[τ σ] = X[τ i] Wq[(μ a) i] Wk[(μ a) j] X[σ j]"
     eq = Equation(text)
