@@ -79,7 +79,8 @@ class _Plan:
         call = self._run
         if self.direct:
             call = self.whole
-        elif self.operand_slots == (0, 1) and not self.steps and self.out_shape is None:
+        elif (self.scale_slot >= 0 and self.operand_slots == (0, 1) and not self.steps
+              and self.out_shape is None):  # the scale is its only extra
             call = _scaled(self.whole, self.scale_slot, self.scale)
         object.__setattr__(self, "call", call)
 
