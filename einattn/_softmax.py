@@ -30,10 +30,20 @@ WORTH = 1 << 20
 def spendable(S: torch.Tensor) -> bool:
     """Whether writing over S saves enough to pay and is safe: a plain contiguous CPU tensor
     of at least :data:`WORTH` bytes, outside the ``torch.func`` transforms (their wrappers
-    have no rule for ``out=``)."""
+    have no rule for ``out=``) and forward-mode AD (the Function has no jvp)."""
     return (S.numel() * S.element_size() >= WORTH and type(S) is torch.Tensor
-            and S.device.type == "cpu" and S.is_contiguous()
-            and not torch._C._functorch.is_functorch_wrapped_tensor(S))
+            and S.device.type == "cpu" and S.is_contiguous() and not transformed(S))
+
+
+def transformed(*tensors: torch.Tensor | None) -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jvp, …) wraps one of ``tensors`` or
+    forward-mode AD is on: there an ``autograd.Function`` without vmap and jvp rules, or a
+    fused kernel without them, cannot run, and the caller takes a composite path."""
+    if torch.compiler.is_compiling():  # dynamo functionalizes what it traces itself
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return torch.autograd.forward_ad._current_level >= 0 or any(
+        t is not None and wrapped(t) for t in tensors)
 
 
 def over_scratch(S: torch.Tensor) -> torch.Tensor:

@@ -228,6 +228,14 @@ def with_impl(layer: MultiHeadAttention, impl: str) -> MultiHeadAttention:
     return form
 
 
+def _without_causal(layer: MultiHeadAttention) -> MultiHeadAttention:
+    """A shallow copy with ``causal=False``, which ``to_torch`` converts (TorchMHA passes the
+    causal mask on each call instead)."""
+    form = copy.copy(layer)
+    form.causal = False
+    return form
+
+
 def build(size: Size, *, seed: int = 0, dtype: torch.dtype = torch.float32,
           paths: tuple[str, ...] = PATHS) -> dict[str, nn.Module]:
     """The forms of one layer, from one seeded einattn layer's weights (all eval, bias-free)."""
@@ -240,7 +248,7 @@ def build(size: Size, *, seed: int = 0, dtype: torch.dtype = torch.float32,
         "chunked": lambda: with_impl(layer, "chunked"),
         "textbook": lambda: Textbook(p.W_q, p.W_k, p.W_v, p.W_o, heads=size.heads,
                                      causal=size.causal),
-        "torch_mha": lambda: TorchMHA(layer.to_torch(), causal=size.causal),
+        "torch_mha": lambda: TorchMHA(_without_causal(layer).to_torch(), causal=size.causal),
         "linear_sdpa": lambda: LinearSDPA(torch.cat([p.W_q, p.W_k, p.W_v]), p.W_o,
                                           heads=size.heads, causal=size.causal),
     }

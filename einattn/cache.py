@@ -57,7 +57,7 @@ class KVCache:
                key_padding_mask: torch.Tensor | None = None):
         """Append this call's ``K[n g σ a]``, ``V[n g σ a]`` and its key padding ``(n, σ)``
         (True = padding); return everything cached: ``(K, V, padding over all σ)``."""
-        self._check(K, key_padding_mask)
+        self._check(K, V, key_padding_mask)
         before = len(self)
         if self.K is None:
             self.K, self.V = K, V
@@ -70,7 +70,16 @@ class KVCache:
             self.padding = torch.cat([old, new], dim=1)
         return self.K, self.V, self.padding
 
-    def _check(self, K: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:
+    def _check(self, K: torch.Tensor, V: torch.Tensor,
+               key_padding_mask: torch.Tensor | None) -> None:
+        for name, t in (("K", K), ("V", V)):
+            if not isinstance(t, torch.Tensor) or t.ndim != 4:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise EinattnError(f"the new {name}[n g σ a] must be a 4-D tensor, got {shape}")
+        if V.shape != K.shape or V.dtype != K.dtype or V.device != K.device:
+            raise EinattnError(f"every new key K[n g σ a] needs its value V[n g σ a]: K is "
+                               f"{tuple(K.shape)} {K.dtype} on {K.device} but V is "
+                               f"{tuple(V.shape)} {V.dtype} on {V.device}")
         n, L = K.shape[0], K.shape[2]
         if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
                                              or key_padding_mask.shape != (n, L)):

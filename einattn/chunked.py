@@ -21,13 +21,21 @@ tile, ``block_size × block_size`` per head: nothing of ``L_q × L_k`` elements,
 A query row with no admissible key keeps ``m = −∞`` and ``l = 0``: its ``Z`` is exact
 zeros and its ``lse`` is set to ``+∞``, so that the backward pass recomputes ``P = 0``
 there. No finite sentinel stands in for ``−∞``.
+
+Every tile runs in at least float32 (:func:`_accumulator`): float16 and bfloat16 inputs
+are widened once, so that ``S − lse`` and ``dP − D`` are formed in the precision the
+statistics were; under ``torch.autocast`` Q, K, V are cast to autocast's dtype first and
+the forward and the recomputing backward run outside it, on the same numbers. A second
+derivative (``create_graph=True``: Hessians, gradient penalties) and the ``torch.func``
+transforms run the dense equations (2)–(4) instead, whose graph autograd can differentiate
+again: correct, at O(L_q·L_k) memory.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from . import _autocast, _softmax
 from . import functional as _functional  # not `from .functional import`: paths imports us
 from . import masks as _masks
 from .errors import EinattnError
@@ -63,9 +71,7 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     >>> torch.allclose(Z, F.weighted_values(A, V), atol=1e-6)
     True
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise EinattnError(f"block_size (the number of queries τ and of keys σ per tile) must "
-                           f"be a positive int, got {block_size!r}")
+    check_block_size(block_size)
     for name, t, indices in (("Q", Q, "n μ τ a"), ("K", K, "n g σ a"), ("V", V, "n g σ a")):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -77,11 +83,37 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
             raise EinattnError(f"index {index!r} has size {V.shape[axis]} in V but "
                                f"{K.shape[axis]} in K: every key K[n g σ a] needs its value "
                                f"V[n g σ a]")
+    Q, K, V = _cast_for_autocast(Q, K, V)
     n, n_heads, L_q, _ = Q.shape
     if mask is not None:
         mask = _masks.as_nmts(mask, name="mask", n=n, n_heads=n_heads, L_q=L_q,
-                              L_k=K.shape[2], dtype=Q.dtype)
-    return _Attention.apply(Q, K, V, mask, bool(causal), block_size)
+                              L_k=K.shape[2], dtype=Q.dtype, device=Q.device)
+    if _softmax.transformed(Q, K, V, mask):  # no vmap or jvp rule for the Function below
+        return _dense(Q, K, V, mask, bool(causal))
+    with torch.autocast(Q.device.type, enabled=False):
+        return _Attention.apply(Q, K, V, mask, bool(causal), block_size)
+
+
+def _cast_for_autocast(Q, K, V):
+    """Q, K, V in autocast's dtype where autocast is on (as SDPA is cast there), so that
+    the tiles see the same numbers forward and backward."""
+    low = _autocast.dtype(Q.device)
+    if low is None:
+        return Q, K, V
+    return Q.to(low), K.to(low), V.to(low)
+
+
+def _dense(Q, K, V, mask, causal: bool) -> torch.Tensor:
+    """Equations (2g)–(4g) as written, which autograd differentiates to any order."""
+    return _functional._einsum_stages(Q, K, V, mask, causal, 0.0, scratch=False)["Z"]
+
+
+def check_block_size(block_size) -> int:
+    """``block_size`` itself, once it is known to be a positive int."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise EinattnError(f"block_size (the number of queries τ and of keys σ per tile) must "
+                           f"be a positive int, got {block_size!r}")
+    return block_size
 
 
 class _Attention(torch.autograd.Function):
@@ -95,12 +127,26 @@ class _Attention(torch.autograd.Function):
         return Z
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dZ):
         Q, K, V, Z, lse, mask = ctx.saved_tensors
-        dQ, dK, dV, dM = _backward(Q, K, V, Z, lse, mask, dZ, ctx.causal, ctx.block_size,
-                                   mask_grad=ctx.needs_input_grad[3])
+        if torch.is_grad_enabled():  # create_graph: a backward that can be differentiated
+            return (*_dense_grads(ctx, Q, K, V, mask, dZ), None, None)
+        with torch.autocast(dZ.device.type, enabled=False):
+            dQ, dK, dV, dM = _backward(Q, K, V, Z, lse, mask, dZ, ctx.causal, ctx.block_size,
+                                       mask_grad=ctx.needs_input_grad[3])
         return dQ, dK, dV, dM, None, None
+
+
+def _dense_grads(ctx, Q, K, V, mask, dZ):
+    """The gradients of Q, K, V (and a float mask) through the dense equations, with a
+    graph of their own: what a second derivative differentiates."""
+    inputs = (Q, K, V, mask)
+    wanted = [t for t, need in zip(inputs, ctx.needs_input_grad, strict=False) if need]
+    with torch.autocast(dZ.device.type, enabled=False):
+        grads = iter(torch.autograd.grad(_dense(Q, K, V, mask, ctx.causal), wanted, dZ,
+                                         create_graph=True))
+    return [next(grads) if need else None
+            for need in ctx.needs_input_grad[:4]]
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -147,6 +193,7 @@ def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
 def _forward(Q, K, V, mask, causal: bool, block_size: int):
     n, n_heads, L_q, _ = Q.shape
     acc = _accumulator(Q.dtype)
+    out_dtype, (Q, K, V) = Q.dtype, (t.to(acc) for t in (Q, K, V))  # tiles in ≥ float32
     m = Q.new_full((n, n_heads, L_q), -_INF, dtype=acc)  # running max m[n μ τ]
     l = Q.new_zeros((n, n_heads, L_q), dtype=acc)  # noqa: E741 running sum l[n μ τ]
     O = Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=acc)  # noqa: E741 unnormalised Z
@@ -159,19 +206,20 @@ def _forward(Q, K, V, mask, causal: bool, block_size: int):
         P = S.sub_(m_safe[..., None]).exp_()  # in place: S is not needed again
         rescale = torch.exp(m_old - m_safe)
         l[:, :, tau].mul_(rescale).add_(P.sum(dim=-1))  # the running statistics, in place
-        PV = _functional.VALUES_GQA(A=P.to(V.dtype), V=V[:, :, sigma])
+        PV = _functional.VALUES_GQA(A=P, V=V[:, :, sigma])
         O[:, :, tau].mul_(rescale[..., None]).add_(PV)
         m[:, :, tau] = m_new
     dead = l == 0  # no admissible key (or L_k = 0): Z = 0 and P = 0 in backward
-    Z = O.div_(l.masked_fill(dead, 1.0)[..., None]).to(Q.dtype)  # in O's memory
+    Z = O.div_(l.masked_fill(dead, 1.0)[..., None]).to(out_dtype)  # in O's memory
     lse = (m + torch.log(l)).masked_fill(dead, _INF)
     return Z, lse
 
 
 def _backward(Q, K, V, Z, lse, mask, dZ, causal: bool, block_size: int, *, mask_grad: bool):
     L_q, L_k, g = Q.shape[2], K.shape[2], K.shape[1]
-    acc = _accumulator(Q.dtype)
-    D = (dZ.to(acc) * Z.to(acc)).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z = Σ_σ P dP
+    acc, dtypes = _accumulator(Q.dtype), (Q.dtype, K.dtype, V.dtype)
+    Q, K, V, Z, dZ = (t.to(acc) for t in (Q, K, V, Z, dZ))  # every tile in ≥ float32
+    D = (dZ * Z).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z = Σ_σ P dP
     dQ, dK, dV = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (Q, K, V))
     dM = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask_grad else None
     for t0, t1, s0, s1 in _tiles(L_q, L_k, causal, block_size):
@@ -179,16 +227,16 @@ def _backward(Q, K, V, Z, lse, mask, dZ, causal: bool, block_size: int, *, mask_
         S = _tile_scores(Q, K, mask, causal, tau, sigma, acc)
         P = S.sub_(lse[:, :, tau, None]).exp_()  # the forward's weights A, for this tile
         Q_t, dZ_t, K_b, V_b = Q[:, :, tau], dZ[:, :, tau], K[:, :, sigma], V[:, :, sigma]
-        dV[:, :, sigma] += VALUE_GRADS(P=P.to(V.dtype), dZ_t=dZ_t, g=g)
-        dP = PROB_GRADS(dZ_t=dZ_t, V_b=V_b).to(acc)
+        dV[:, :, sigma] += VALUE_GRADS(P=P, dZ_t=dZ_t, g=g)
+        dP = PROB_GRADS(dZ_t=dZ_t, V_b=V_b)
         dS = dP.sub_(D[:, :, tau, None]).mul_(P)  # dS = P ∘ (dP − D), in dP's memory
-        dQ[:, :, tau] += QUERY_GRADS(dS=dS.to(K.dtype), K_b=K_b)
-        dK[:, :, sigma] += KEY_GRADS(dS=dS.to(Q.dtype), Q_t=Q_t, g=g)
+        dQ[:, :, tau] += QUERY_GRADS(dS=dS, K_b=K_b)
+        dK[:, :, sigma] += KEY_GRADS(dS=dS, Q_t=Q_t, g=g)
         if dM is not None:  # M is added to S, so dM = dS, summed over its broadcast axes
             target = _mask_tile(dM, tau, sigma)
             axes = _broadcast_axes(target.shape, dS.shape)
             target += (dS.sum(dim=axes, keepdim=True) if axes else dS).to(dM.dtype)
-    return dQ.to(Q.dtype), dK.to(K.dtype), dV.to(V.dtype), dM
+    return (*(d.to(dtype) for d, dtype in zip((dQ, dK, dV), dtypes, strict=True)), dM)
 
 
 def _broadcast_axes(mask_shape, tile_shape) -> list[int]:

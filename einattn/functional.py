@@ -18,9 +18,11 @@ Each function below runs its equation; :func:`multi_head_attention` composes the
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from . import _softmax, layouts, rotary
+from . import _autocast, _softmax, layouts, rotary
 from . import masks as _masks
 from . import paths as _paths
 from .cache import KVCache
@@ -131,14 +133,21 @@ _SLOTS_FIRST = _axes("n τ g C a -> C n g τ a")  # then unbound along C
 
 
 def _open_bias(b: torch.Tensor, g: int, C: int, d_head: int) -> torch.Tensor:
-    """``b[(g C a)]`` as ``b[g C a]``, which broadcasts over ``P[n τ g C a]``."""
+    """``b[(g C a)]`` as ``b[g C a]``, which broadcasts over ``P[n τ g C a]``. Under
+    autocast it is added in P's dtype, as ``nn.Linear``'s bias is."""
     if not isinstance(b, torch.Tensor):
         raise EinattnError(f"b must be a torch.Tensor, got {type(b).__name__}")
     if b.shape != (g * C * d_head,):
         layout = "b[(μ B a)]" if C == 3 else "b[(g C a)]"
         raise EinattnError(f"b has shape {tuple(b.shape)} but {layout} needs "
                            f"({g * C * d_head},) with {_counts(g, C - 2)}, a={d_head}")
-    return b.view(g, C, d_head)
+    return _in_autocast_dtype(b.view(g, C, d_head))
+
+
+def _in_autocast_dtype(b: torch.Tensor) -> torch.Tensor:
+    """A bias in the dtype it is added in: autocast's where it is on, its own elsewhere."""
+    low = _autocast.dtype(b.device)
+    return b if low is None else b.to(low)
 
 
 def _check_context(x: torch.Tensor, context: torch.Tensor) -> None:
@@ -232,7 +241,7 @@ def combine_heads(Z: torch.Tensor, W_O: torch.Tensor,
     if b_O is not None and tuple(b_O.shape) != (W_O.shape[-1],):
         raise EinattnError(f"b_O has shape {tuple(b_O.shape)} but b_O[i] needs "
                            f"({W_O.shape[-1]},), the size of index 'i' in W_O")
-    return Y if b_O is None else Y + b_O
+    return Y if b_O is None else Y + _in_autocast_dtype(b_O)
 
 
 def head_contributions(Z: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
@@ -246,9 +255,10 @@ def attention_mask(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dty
                    key_padding_mask: torch.Tensor | None = None,
                    causal: bool = False) -> torch.Tensor | None:
     """The mask ``M[n μ τ σ]`` of equation (3), from a user mask (checked and broadcast),
-    a key padding mask ``(n, σ)`` (True = padding, ignored) and, with ``causal=True``, the
-    bottom-right causal mask."""
-    shape = {"n": n, "n_heads": n_heads, "L_q": L_q, "L_k": L_k, "dtype": dtype}
+    a key padding mask ``(n, σ)`` (bool, True = padding, ignored) and, with
+    ``causal=True``, the bottom-right causal mask."""
+    shape = {"n": n, "n_heads": n_heads, "L_q": L_q, "L_k": L_k, "dtype": dtype,
+             "device": device}
     user = None if mask is None else _masks.as_nmts(mask, name="mask", **shape)
     padding = None
     if key_padding_mask is not None:
@@ -299,7 +309,8 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
         _check_cache(cache, context)
     Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
     if rope is not None:
-        Q, K = _rotate(Q, K, rotary.check_style(rope, Q.shape[-1]), rope_base, positions,
+        Q, K = _rotate(Q, K, rotary.check_style(rope, Q.shape[-1]), rotary.check_base(rope_base),
+                       positions,
                        0 if cache is None else len(cache), cross=context is not None)
     elif positions is not None:
         raise EinattnError("positions= only matters with rope='half' or 'interleaved'; this "
@@ -320,7 +331,7 @@ def _attend(Q, K, V, key_padding_mask, W_O, b_O, n_heads: int, mask, causal: boo
             dropout: float, need_weights: bool, return_intermediates: bool, impl: str,
             block_size: int):
     """Equations (2)–(5) from Q, K, V by ``impl``, with the weights or every stage if asked."""
-    causal = causal and Q.shape[2] > 1  # aligned bottom-right, one query sees every key
+    causal = True if causal and Q.shape[2] > 1 else False
     M = None
     if mask is not None or key_padding_mask is not None:
         M = attention_mask(n=Q.shape[0], n_heads=n_heads, L_q=Q.shape[2], L_k=K.shape[2],
@@ -328,16 +339,51 @@ def _attend(Q, K, V, key_padding_mask, W_O, b_O, n_heads: int, mask, causal: boo
                            key_padding_mask=key_padding_mask)
     seen = need_weights or return_intermediates
     if seen or (impl == "einsum" and not torch.compiler.is_compiling()):
-        stages = _einsum_stages(Q, K, V, M, causal, dropout, scratch=not seen)
+        def run(K, V):
+            return _einsum_stages(Q, K, V, M, causal, dropout, scratch=not seen)
     else:
-        impl = "sdpa" if impl == "einsum" else impl
-        Z = _paths.weighted_values(impl, Q, K, V, M, causal, dropout, block_size)
-        return combine_heads(Z, W_O, b_O)
+        def run(K, V):
+            how = "sdpa" if impl == "einsum" else impl
+            return {"Z": _paths.weighted_values(how, Q, K, V, M, causal, dropout, block_size)}
+    stages = run(K, V)
+    if (M is not None or causal) and _nonfinite(stages["Z"]):
+        stages = _masked_nonfinite_dropped(run, Q, K, V, M, causal, stages)
+    if not seen:
+        return combine_heads(stages["Z"], W_O, b_O)
     Y = combine_heads(stages["Z"], W_O, b_O)
     if return_intermediates:
         return Y, {"Q": Q, "K": K, "V": V, **stages,
                    "Y_μ": head_contributions(stages["Z"], W_O), "Y": Y}
     return (Y, stages["A"]) if need_weights else Y
+
+
+def _nonfinite(Z: torch.Tensor) -> bool:
+    """Whether ``Z`` holds NaN or ±∞, checked where that costs no device sync and can
+    branch: on the CPU, eagerly, outside the ``torch.func`` transforms."""
+    if Z.device.type != "cpu" or torch.compiler.is_compiling() or _softmax.transformed(Z):
+        return False
+    return not math.isfinite(Z.sum().item())  # .item(): cheaper than bool(tensor)
+
+
+def _masked_nonfinite_dropped(run, Q, K, V, M, causal: bool, stages: dict) -> dict:
+    """The stages again with every key whose K or V is not finite set to zero, then NaN in
+    the rows that may attend to one of those keys: a NaN or ±∞ behind the mask of a query
+    (padding, the causal future, a bool mask) reaches no output of that query, where
+    ``0 · NaN`` in equation (4) would have spread it."""
+    bad = ~(torch.isfinite(K).all(-1) & torch.isfinite(V).all(-1))  # bad[n g σ]
+    if not bad.any():
+        return stages  # Q or an admissible input was not finite: it propagates
+    stages = run(*(T.masked_fill(bad[..., None], 0.0) for T in (K, V)))
+    n, n_heads, L_q, L_k = Q.shape[0], Q.shape[1], Q.shape[2], K.shape[2]
+    allowed = torch.ones(L_q, L_k, dtype=torch.bool, device=Q.device)
+    if causal:
+        allowed = _masks.causal_mask(L_q, L_k, device=Q.device)
+    if M is not None:
+        allowed = allowed & (M if M.dtype == torch.bool else M != float("-inf"))
+    bad = bad.repeat_interleave(n_heads // K.shape[1], dim=1)[:, :, None, :]  # [n μ 1 σ]
+    poisoned = (allowed & bad).any(-1, keepdim=True).expand(n, n_heads, L_q, 1)
+    return {k: v.masked_fill(poisoned, float("nan")) if k in ("A", "Z") else v
+            for k, v in stages.items()}
 
 
 def _check_cache(cache, context) -> None:
@@ -366,13 +412,23 @@ def _rotate(Q, K, style: str, base: float, positions, offset: int, *, cross: boo
 def _einsum_stages(Q, K, V, M, causal: bool, dropout: float,
                    scratch: bool) -> dict[str, torch.Tensor]:
     """Equations (2)–(4) as written: S, A (after dropout, as applied) and Z. With
-    ``scratch`` nobody sees S or A, so the softmax may spend S's storage (then "S" holds A)."""
+    ``scratch`` nobody sees S or A, so the softmax may spend S's storage (then "S" holds A).
+    Float16 and bfloat16 scores, mask and softmax are float32 (as SDPA's are): a score
+    past 65504 or a ``−1e4`` mask added in half precision would lose the row."""
     only_causal = causal and M is None and Q.shape[2] <= K.shape[2]  # no row fully masked
     if causal:
         M = _masks.combine(M, _masks.causal_mask(Q.shape[2], K.shape[2], device=Q.device))
-    S = attention_scores(Q, K)
-    A = _masked_softmax(S, M, only_causal, scratch=scratch)
+    if Q.dtype in _HALF:
+        with torch.autocast(Q.device.type, enabled=False):  # S itself never rounded to half
+            S = attention_scores(Q.float(), K.float())
+        A = _masked_softmax(S, M, only_causal, scratch=scratch).to(V.dtype)
+    else:
+        S = attention_scores(Q, K)
+        A = _masked_softmax(S, M, only_causal, scratch=scratch)
     if dropout:
         A = torch.nn.functional.dropout(A, p=dropout)
     return {"S": S, "A": A, "Z": weighted_values(A, V)}
+
+
+_HALF = (torch.float16, torch.bfloat16)
 

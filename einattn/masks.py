@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _autocast
 from .errors import EinattnError
 
 
@@ -38,18 +39,20 @@ def additive_causal_mask(L_q: int, L_k: int | None = None, *, dtype=torch.float3
 
 
 def as_nmts(mask: torch.Tensor, *, name: str, n: int, n_heads: int, L_q: int, L_k: int,
-            dtype: torch.dtype) -> torch.Tensor:
-    """Check a mask argument and view it as 4-D ``(n, μ, τ, σ)`` (axes of size 1 broadcast)."""
+            dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """Check a mask argument (dtype, device, values, shape) and view it as 4-D
+    ``(n, μ, τ, σ)`` (axes of size 1 broadcast). A float mask may hold ``−∞`` (blocked) but
+    not ``+∞``, which would turn its row NaN."""
     if not isinstance(mask, torch.Tensor):
         raise EinattnError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise EinattnError(
             f"{name} must be bool (True = may attend) or float (added to the scores), "
             f"got {mask.dtype}; for a mask where 0 = blocked pass `{name} != 0`")
-    if mask.is_floating_point() and mask.dtype != dtype:
-        if not torch.is_autocast_enabled(mask.device.type):
-            raise EinattnError(f"{name} is {mask.dtype} but the scores are {dtype}")
-        mask = mask.to(dtype)  # under autocast the scores' dtype is autocast's, not the user's
+    if device is not None and mask.device != device:
+        raise EinattnError(f"{name} is on {mask.device} but the scores are on {device}")
+    if mask.is_floating_point():
+        mask = _checked_float(mask, name, dtype)
     expanders = {2: (None, None), 3: (slice(None), None), 4: (slice(None), slice(None))}
     if mask.ndim not in expanders:
         raise EinattnError(f"{name} has {mask.ndim} axes {tuple(mask.shape)}; expected "
@@ -64,18 +67,42 @@ def as_nmts(mask: torch.Tensor, *, name: str, n: int, n_heads: int, L_q: int, L_
     return full
 
 
+def _checked_float(mask: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """A float mask in the scores' dtype, without ``+∞`` (checked eagerly: a traced graph
+    cannot branch on values)."""
+    if mask.dtype != dtype:
+        if _autocast.dtype(mask.device) is None:
+            raise EinattnError(f"{name} is {mask.dtype} but the scores are {dtype}")
+        mask = mask.to(dtype)  # under autocast the scores' dtype is autocast's, not the user's
+    if not torch.compiler.is_compiling() and bool(torch.isposinf(mask).any()):
+        raise EinattnError(f"{name} holds +inf, which would make every weight of its row NaN; "
+                           f"a float mask adds to the scores: -inf blocks, 0 keeps")
+    return mask
+
+
 def from_key_padding(key_padding_mask: torch.Tensor, *, n: int, n_heads: int, L_q: int,
-                     L_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """A ``(n, 1, 1, σ)`` mask from a key padding mask ``(n, σ)``: boolean True = padding
-    (as ``nn.MultiheadAttention``), so it is inverted; a float one is added as it is."""
+                     L_k: int, dtype: torch.dtype,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """A ``(n, 1, 1, σ)`` boolean mask (True = may attend) from a key padding mask
+    ``(n, σ)``, which is bool with True = padding, as in ``nn.MultiheadAttention``."""
     kpm = key_padding_mask
     if not isinstance(kpm, torch.Tensor) or kpm.shape != (n, L_k):
         shape = tuple(kpm.shape) if isinstance(kpm, torch.Tensor) else type(kpm).__name__
         raise EinattnError(f"key_padding_mask has shape {shape} but must be (n, σ) = ({n}, {L_k})")
-    kpm = kpm[:, None, None, :]
-    allowed = ~kpm if kpm.dtype == torch.bool else kpm
-    return as_nmts(allowed, name="key_padding_mask", n=n, n_heads=n_heads, L_q=L_q, L_k=L_k,
-                   dtype=dtype)
+    check_key_padding(kpm)
+    return as_nmts(~kpm[:, None, None, :], name="key_padding_mask", n=n, n_heads=n_heads,
+                   L_q=L_q, L_k=L_k, dtype=dtype, device=device)
+
+
+def check_key_padding(kpm: torch.Tensor) -> None:
+    """A key padding mask is bool, True = padding; anything else is refused in its words."""
+    if kpm.dtype == torch.bool:
+        return
+    raise EinattnError(
+        f"key_padding_mask must be bool with True = padding (a key no query attends to), "
+        f"got {kpm.dtype}; from a mask where 1 = real token and 0 = padding (Hugging Face's "
+        f"attention_mask) pass key_padding_mask=(attention_mask == 0); for an additive bias "
+        f"on the scores pass it as mask=")
 
 
 def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:

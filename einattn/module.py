@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import functional, layouts, rotary
+from . import chunked, functional, layouts, rotary
 from .cache import KVCache
 from .errors import EinattnError
 
@@ -61,8 +61,8 @@ class MultiHeadAttention(nn.Module):
         self.n_kv_heads, r = layouts.groups(n_heads, n_kv_heads)
         rows = self.n_kv_heads * (r + 2) * d_head
         self.dropout, self.causal = dropout, causal
-        self.impl, self.block_size = _check_impl(impl), block_size
-        self.rope, self.rope_base = rotary.check_style(rope, d_head), rope_base
+        self.impl, self.block_size = _check_impl(impl), chunked.check_block_size(block_size)
+        self.rope, self.rope_base = rotary.check_style(rope, d_head), rotary.check_base(rope_base)
         kw = {"device": device, "dtype": dtype}
         self.W = nn.Parameter(torch.empty(rows, d_model, **kw))
         self.W_O = nn.Parameter(torch.empty(n_heads, d_head, d_model, **kw))
@@ -155,6 +155,9 @@ class MultiHeadAttention(nn.Module):
         if t.dtype != W.dtype:
             raise EinattnError(f"{name} is {t.dtype} but the layer's W is {W.dtype}; "
                                f"convert one with .to()")
+        if t.device != W.device:
+            raise EinattnError(f"{name} is on {t.device} but the layer's W is on {W.device}; "
+                               f"move one with .to()")
 
     # -- conversions ---------------------------------------------------------------------
 
@@ -259,6 +262,11 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None:
             raise EinattnError(f"nn.MultiheadAttention has no rotary embeddings, but this layer "
                                f"has rope={self.rope!r}")
+        if self.causal:
+            raise EinattnError("nn.MultiheadAttention keeps no causal flag, but this layer has "
+                               "causal=True: convert a causal=False layer and pass "
+                               "attn_mask=~einattn.masks.causal_mask(L) (or is_causal=True "
+                               "with that mask) on each call")
         if self.n_heads * self.d_head != self.d_model:
             raise EinattnError(f"nn.MultiheadAttention needs n_heads·d_head = d_model, but "
                                f"{self.n_heads}·{self.d_head} != {self.d_model}")

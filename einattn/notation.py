@@ -26,6 +26,7 @@ import opt_einsum
 import torch
 from einops import rearrange
 
+from . import _autocast
 from ._lowering import contraction
 from ._syntax import Parsed, Term, latex, parse
 from .errors import EinattnError, at
@@ -107,6 +108,10 @@ class Equation:
     """
 
     def __init__(self, text: str):
+        if not isinstance(text, str):
+            raise EinattnError(f"an Equation is written as a string such as "
+                               f"\"S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a\", got "
+                               f"{type(text).__name__}")
         self.text = text
         self._parsed: Parsed = parse(text)
         self._letters = _assign_letters(self._parsed, text)
@@ -300,7 +305,7 @@ class Equation:
         first = arguments[self.operands[0]]
         for name in self.operands[1:]:
             t = arguments[name]
-            if t.dtype != first.dtype and not torch.is_autocast_enabled(t.device.type):
+            if t.dtype != first.dtype and _autocast.dtype(t.device) is None:
                 # (under autocast the backend casts the operands: Z is bfloat16, W_O is not)
                 raise at(f"{name} is {t.dtype} but {self.operands[0]} is {first.dtype}", self.text)
             if t.device != first.device:
@@ -377,16 +382,20 @@ class Equation:
 
 def _signature(arguments: dict[str, Any]) -> tuple:
     """What a plan is cached by: the argument names in call order, then each tensor's shape
-    and each keyword size, in one flat tuple (its length says how many names lead). Built on
-    every call, so kept to one pass over the arguments in C (``getattr(v, "shape", v)``
+    and each keyword size, then each tensor's device, in one flat tuple (its length says how
+    many names lead). The devices are part of it because a plan is only made after they
+    were checked to agree (a meta tensor beside a CPU one would run, wrongly). Built on
+    every call, so kept to passes over the arguments in C (``getattr(v, "shape", v)``
     mapped, no Python frame per argument); a call with its keywords reordered plans once
     more. Anything else with a ``shape`` (a NumPy array) may find a tensor's plan, whose
     backend call then fails and the call re-plans, which names the operand."""
     values = arguments.values()
-    return (*arguments, *map(getattr, values, _SHAPE, values))
+    return (*arguments, *map(getattr, values, _SHAPE, values),
+            *map(getattr, values, _DEVICE, values))
 
 
 _SHAPE = repeat("shape")  # getattr's second argument, as many times as map asks
+_DEVICE = repeat("device")
 
 
 def _scaled(whole: Callable[..., torch.Tensor], slot: int,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import chunked, masks
+from . import _softmax, chunked, masks
 from .errors import EinattnError
 
 
@@ -30,8 +31,30 @@ def weighted_values(impl: str, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor
 
 def _sdpa(Q, K, V, mask, causal: bool, dropout: float) -> torch.Tensor:
     (_, μ, L_q, _), (_, g, L_k, _) = Q.shape, K.shape
-    is_causal = causal and mask is None and L_q == L_k  # top-left and bottom-right agree
+    # top-left = bottom-right; an `if`, not bool(): under dynamic shapes L_q == L_k is a
+    # SymBool that SDPA refuses, and a branch makes dynamo guard on it instead
+    is_causal = True if causal and mask is None and L_q == L_k else False
     if causal and not is_causal:
         mask = masks.combine(mask, masks.causal_mask(L_q, L_k, device=Q.device))
+    if _softmax.transformed(Q, K, V):  # the fused kernels have no vmap or forward-AD rule
+        with sdpa_kernel(SDPBackend.MATH):
+            return _call_sdpa(Q, K, V, mask, dropout, is_causal, g != μ)
+    Z = _call_sdpa(Q, K, V, mask, dropout, is_causal, g != μ)
+    if not torch.compiler.is_compiling() and Z.grad_fn is not None:
+        Z.grad_fn.register_prehook(_refuse_double_backward)  # ~3 µs a training call
+    return Z
+
+
+def _refuse_double_backward(grad_outputs):
+    """Run before SDPA's backward: with ``create_graph`` (grad mode on while it runs) the fused
+    kernels' backward has no derivative of its own, so say which impls have one."""
+    if torch.is_grad_enabled():
+        raise EinattnError("impl='sdpa' has no second derivative (PyTorch's fused attention "
+                           "kernels have no double backward); for Hessians, gradient "
+                           "penalties and other create_graph=True uses take impl='einsum' "
+                           "or impl='chunked'")
+
+
+def _call_sdpa(Q, K, V, mask, dropout: float, is_causal: bool, grouped: bool) -> torch.Tensor:
     # attn_mask, dropout_p, is_causal by position: torch's parser takes them 0.6 µs faster
-    return F.scaled_dot_product_attention(Q, K, V, mask, dropout, is_causal, enable_gqa=g != μ)
+    return F.scaled_dot_product_attention(Q, K, V, mask, dropout, is_causal, enable_gqa=grouped)

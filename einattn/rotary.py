@@ -17,6 +17,8 @@ query position t and key position s depends on ``t − s`` only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import EinattnError
@@ -36,6 +38,14 @@ def check_style(rope: str | None, d_head: int) -> str | None:
         raise EinattnError(f"rope turns pairs of channels, but index 'a' has odd size "
                            f"{d_head} (d_head)")
     return rope
+
+
+def check_base(base) -> float:
+    """``base`` itself, once it is known to be a finite positive number (θ_p = base^(−2p/a))."""
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf:
+        raise EinattnError(f"rope_base must be a finite positive number (the base of "
+                           f"θ_p = base^(−2p/a)), got {base!r}")
+    return base
 
 
 def positions_for(positions: torch.Tensor | None, *, n: int, L: int, offset: int,

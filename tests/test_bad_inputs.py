@@ -164,11 +164,11 @@ BAD = {
     "key_padding_mask-3d": (_cross(key_padding_mask=_mask(N, 1, L_K)),
                             r"key_padding_mask has shape \(2, 1, 7\) but must be \(n, σ\)"),
     "key_padding_mask-int": (_cross(key_padding_mask=_mask(N, L_K, dtype=torch.int32)),
-                             r"key_padding_mask must be bool .* got torch\.int32; .*"
-                             r"`key_padding_mask != 0`"),
-    "key_padding_mask-float-other-dtype": (
-        _cross(key_padding_mask=_mask(N, L_K, dtype=torch.float16)),
-        r"key_padding_mask is torch\.float16 but the scores are torch\.float64"),
+                             r"key_padding_mask must be bool with True = padding .* got "
+                             r"torch\.int32; .* key_padding_mask=\(attention_mask == 0\)"),
+    "key_padding_mask-float": (
+        _cross(key_padding_mask=_mask(N, L_K, dtype=torch.float64)),
+        r"key_padding_mask must be bool with True = padding .* got torch\.float64; .*mask="),
     "key_padding_mask-list": (_cross(key_padding_mask=[[False] * L_K] * N),
                               r"key_padding_mask has shape list but must be \(n, σ\) = \(2, 7\)"),
     # -- conversions -------------------------------------------------------------------------
@@ -256,6 +256,29 @@ BAD = {
                                r"positions= only matters with rope='half' or 'interleaved'"),
     "rope-with-context": (lambda: _layer(rope="half")(_x(), _c()),
                           r"rope needs self-attention: with a context, the keys' positions"),
+    "to_torch-causal": (lambda: MultiHeadAttention(30, 5, causal=True).to_torch(),
+                        r"nn.MultiheadAttention keeps no causal flag, but this layer has "
+                        r"causal=True"),
+    "block_size-0": (lambda: _layer(block_size=0),
+                     r"block_size \(the number of queries τ and of keys σ per tile\) must be a "
+                     r"positive int, got 0"),
+    "block_size-float": (lambda: _layer(block_size=2.5), r"block_size .* got 2\.5"),
+    **{f"rope_base-{base}": (lambda base=base: _layer(rope="half", rope_base=base),
+                             rf"rope_base must be a finite positive number .* got {base}")
+       for base in (0, -2.0, float("nan"), float("inf"))},
+    "rope_base-functional": (lambda: einattn.functional.multi_head_attention(
+                                 _x(), torch.ones(90, D, dtype=F64), torch.ones(5, 6, D,
+                                 dtype=F64), n_heads=H, rope="half", rope_base=-1.0),
+                             r"rope_base must be a finite positive number .* got -1\.0"),
+    "mask-plus-inf": (_cross(mask=torch.zeros(L_Q, L_K, dtype=F64).index_fill(
+                          1, torch.tensor([3]), float("inf"))),
+                      r"mask holds \+inf, which would make every weight of its row NaN"),
+    "mask-meta": (_cross(mask=torch.ones(L_Q, L_K, dtype=torch.bool, device="meta")),
+                  r"mask is on meta but the scores are on cpu"),
+    "key_padding_mask-meta": (_cross(key_padding_mask=torch.zeros(N, L_K, dtype=torch.bool,
+                                                                  device="meta")),
+                              r"key_padding_mask is on meta but the scores are on cpu"),
+    "x-meta": (lambda: _layer()(_x().to("meta")), r"x is on meta but the layer's W is on cpu"),
 }
 
 

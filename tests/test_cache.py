@@ -169,6 +169,25 @@ def test_bad_cache_use_raises(call, message):
         call(layer, cache)
 
 
+@pytest.mark.parametrize("K, V, message", [
+    (torch.ones(2, 3, 4), torch.ones(2, 3, 4), r"the new K\[n g σ a\] must be a 4-D tensor, "
+                                               r"got \(2, 3, 4\)"),
+    (torch.ones(2, 3, 4, 5), [[1.0]], r"the new V\[n g σ a\] must be a 4-D tensor, got list"),
+    (torch.ones(2, 3, 4, 5), torch.ones(2, 3, 6, 5), r"every new key K\[n g σ a\] needs its "
+                                                     r"value V\[n g σ a\]: K is \(2, 3, 4, 5\) "
+                                                     r"torch.float32 on cpu but V is "
+                                                     r"\(2, 3, 6, 5\)"),
+    (torch.ones(2, 3, 4, 5), torch.ones(2, 3, 4, 5, dtype=F64), r"but V is \(2, 3, 4, 5\) "
+                                                                r"torch.float64"),
+])
+def test_append_checks_ranks_and_lengths(K, V, message):
+    """A 3-D K, or K and V of different lengths, used to be cached as they were."""
+    cache = KVCache()
+    with pytest.raises(EinattnError, match=message):
+        cache.append(K, V)
+    assert len(cache) == 0
+
+
 def test_heads_must_match_the_cache():
     cache = KVCache()
     _layer(None, None, "einsum")(torch.ones(N, 3, D, dtype=F64), cache=cache)

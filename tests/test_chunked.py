@@ -333,13 +333,14 @@ def test_gradcheck_with_masks():
         lambda Q, K, V: chunked.attention(Q, K, V, mask=allowed, block_size=3), (Q, K, V))
 
 
-def test_second_derivatives_are_refused():
-    """The backward pass reads the saved lse, which has no graph: twice would be wrong."""
-    Q, K, V = qkv(3, 4)
-    Z = chunked.attention(Q, K, V, block_size=2)
-    (dQ,) = torch.autograd.grad((Z**2).sum(), Q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        dQ.sum().backward()
+def test_second_derivatives_are_those_of_the_dense_equations():
+    """With create_graph the backward runs the dense equations, which autograd differentiates
+    again (the tiled backward reads the saved lse, which has no graph: it would give zeros)."""
+    Q, K, V = (randn(2, 2, L, 3, seed=s, requires_grad=True) for s, L in enumerate([4, 5, 5]))
+    M = randn(2, 1, 4, 5, seed=5, requires_grad=True)
+    assert torch.autograd.gradgradcheck(
+        lambda Q, K, V, M: chunked.attention(Q, K, V, mask=M, causal=True, block_size=2),
+        (Q, K, V, M))
 
 
 # -- memory: nothing of L_q × L_k elements is saved for backward ----------------------------

@@ -95,6 +95,9 @@ SITES = [
          lambda: Equation(PROJECT).explain(X=(2, 5, 16), W=(48, 16), mu=4, B=3),
          r"^'mu' is neither a tensor nor an index of this equation \(tensors: X, W\)\n",
          PROJECT),
+    Site('an Equation is written as a string such as "S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a", '
+         "got {}", "non_string_equation", lambda: Equation(None),
+         r"^an Equation is written as a string such as .*, got NoneType$"),
     Site("{} must be {}, got {}", "non_tensor_operand",
          _calls(SCORES, Q=[[1.0]], K=q(2, 4, 7, 3)),
          r"^Q must be a torch\.Tensor, got list$"),

@@ -178,13 +178,11 @@ def test_as_nmts_errors(mask, message):
 # -- key padding -------------------------------------------------------------------------------
 
 
-def test_from_key_padding_inverts_a_bool_mask_and_adds_a_float_one():
+def test_from_key_padding_inverts_a_bool_mask():
     pad = torch.tensor([[False, False, False, True, True], [False] * 5])
     m = masks.from_key_padding(pad, **SHAPE)
     assert m.shape == (2, 1, 1, 5)
     assert torch.equal(m[:, 0, 0], ~pad)
-    f = randn(2, 5, seed=1)
-    assert torch.equal(masks.from_key_padding(f, **SHAPE)[:, 0, 0], f)
 
 
 @pytest.mark.parametrize("kpm, message", [
@@ -192,9 +190,12 @@ def test_from_key_padding_inverts_a_bool_mask_and_adds_a_float_one():
                                           r"\(n, σ\) = \(2, 5\)"),
     (torch.zeros(5, dtype=torch.bool), r"key_padding_mask has shape \(5,\)"),
     ([[False]], r"key_padding_mask has shape list"),
-    (torch.zeros(2, 5, dtype=torch.float32), r"key_padding_mask is torch.float32 but the "
-                                             r"scores are torch.float64"),
+    (torch.zeros(2, 5, dtype=torch.float64), r"key_padding_mask must be bool with True = "
+                                             r"padding .* got torch.float64; .* attention_mask"),
+    (torch.ones(2, 5, dtype=torch.int64), r"key_padding_mask=\(attention_mask == 0\)"),
+    (torch.zeros(2, 5, dtype=torch.bool, device="meta"), r"key_padding_mask is on meta but "
+                                                         r"the scores are on cpu"),
 ])
 def test_from_key_padding_errors(kpm, message):
     with pytest.raises(EinattnError, match=message):
-        masks.from_key_padding(kpm, **SHAPE)
+        masks.from_key_padding(kpm, **SHAPE, device=torch.device("cpu"))

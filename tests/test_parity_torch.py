@@ -301,7 +301,20 @@ def _random_inputs(case: dict, seed: int):
         torch_kpm = _as_float(~kpm, F64) if kpm.dtype == torch.bool else kpm
         if torch_mask.dtype == torch.bool:
             torch_mask = _as_float(~torch_mask, F64)
+    if kpm is not None and kpm.dtype != torch.bool:  # einattn takes an additive padding bias
+        mask, kpm = _with_padding_bias(mask, kpm), None  # as part of mask=, not as padding
     return x, c, mask, kpm, torch_mask, torch_kpm, is_causal, allowed
+
+
+def _with_padding_bias(mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor:
+    """One float mask ``(n, 1, τ, σ)`` or ``(n, μ, τ, σ)``: ``mask`` (bool made additive)
+    plus a float padding bias ``(n, σ)`` added to every query's scores."""
+    bias = bias[:, None, None, :]
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        mask = _as_float(mask, F64)
+    return bias + (mask[:, None] if mask.ndim == 3 else mask)
 
 
 @pytest.mark.parametrize("seed", range(240))
