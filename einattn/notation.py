@@ -24,7 +24,6 @@ from typing import Any
 
 import opt_einsum
 import torch
-from einops import rearrange
 
 from . import _autocast
 from ._lowering import contraction
@@ -190,10 +189,7 @@ class Equation:
         ops = []
         for term in self._parsed.operands:
             t = arguments[term.name]
-            if t.ndim != len(term.indices):
-                t = rearrange(t, f"{_axes(term)} -> {' '.join(term.indices)}",
-                              **{i: sizes[i] for i in term.indices if i in sizes})
-            ops.append(t)
+            ops.append(t if t.ndim == len(term.indices) else _opened(t, term, sizes))
         if self._parsed.scale is not None:
             k = next(k for k, t in enumerate(self._parsed.operands)
                      if self._parsed.scale in t.indices)
@@ -407,9 +403,13 @@ def _scaled(whole: Callable[..., torch.Tensor], slot: int,
     return lambda A, B: whole(A, B * scale)
 
 
-def _axes(term: Term) -> str:
-    """A term's axes as an einops pattern: ``(μ B a) i``."""
-    return " ".join(f"({' '.join(a.indices)})" if a.grouped else a.indices[0] for a in term.axes)
+def _opened(t: torch.Tensor, term: Term, sizes: dict[str, int]) -> torch.Tensor:
+    """``t`` with each grouped axis of ``term`` opened into its indices, ``(μ B a) i`` as
+    ``μ B a i`` (an unflatten: the order stays), one unknown size per group inferred."""
+    for k in reversed(range(len(term.axes))):  # from the last, so earlier axes keep their place
+        if term.axes[k].grouped:
+            t = t.unflatten(k, [sizes.get(i, -1) for i in term.axes[k].indices])
+    return t
 
 
 def _shape_of(name: str, value: Any, allow_shapes: bool) -> tuple[int, ...]:

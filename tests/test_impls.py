@@ -203,3 +203,60 @@ def test_compiled_layer_equals_eager(impl, dtype, lengths, case, bias):
 @compiled_cases
 def test_inductor_compiled_layer_equals_eager(impl, dtype, lengths, case, bias):
     check_compiled("inductor", impl, dtype, lengths, case, bias)
+
+
+# -- torch.compile over varying lengths ------------------------------------------------------
+
+VARYING = {  # every impl with each: what a variable-length batch or a server passes
+    "plain + key padding": ({}, {"kpm": True}),
+    "GQA + RoPE + causal + bool mask": ({"n_kv_heads": 2, "rope": "half", "causal": True},
+                                        {"mask": True}),
+}
+
+
+def varying_call(L: int, call: dict) -> tuple[torch.Tensor, dict]:
+    x, kwargs = randn(2, L, 24, seed=L), {}
+    if call.get("mask"):
+        kwargs["mask"] = randn(L, L, seed=L + 1) > -0.5
+    if call.get("kpm"):
+        kwargs["key_padding_mask"] = torch.arange(L)[None, :] >= torch.tensor([[L], [L - 2]])
+    return x, kwargs
+
+
+@pytest.mark.parametrize("case", list(VARYING))
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+def test_dynamic_compile_over_three_lengths_equals_eager(impl, case):
+    """fullgraph=True, dynamic=True: no graph break at any length (the sdpa path's is_causal
+    was a SymBool), and einsum and sdpa run every length from one graph (einops' registry,
+    filled on first use, was a guard that failed once). The chunked path unrolls its tile
+    loop, so each length traces again (docs/performance.md)."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    options, call = VARYING[case]
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(24, 4, dtype=F64, impl=impl, block_size=8, **options)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    for L in (5, 7, 12):
+        x, kwargs = varying_call(L, call)
+        assert_close_scaled(compiled(x, **kwargs), layer(x, **kwargs), TOL[F64])
+    assert counter.frame_count == (3 if impl == "chunked" else 1)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("impl", ["einsum", "sdpa"])
+def test_a_default_compile_recompiles_once_for_a_new_length(impl):
+    """torch's own policy: the first graph is static, the second length makes it dynamic,
+    and no length after that compiles again."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    layer = MultiHeadAttention(24, 4, dtype=F64, impl=impl, causal=True)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    for L in (5, 7, 12, 13):
+        x, _ = varying_call(L, {})
+        assert_close_scaled(compiled(x), layer(x), TOL[F64])
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
