@@ -275,8 +275,9 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
                          dropout: float = 0.0, need_weights: bool = False,
                          return_intermediates: bool = False, impl: str = "einsum",
                          block_size: int = 256, rope: str | None = None,
-                         rope_base: float = 10000.0, positions: torch.Tensor | None = None,
-                         cache: KVCache | None = None):
+                         rope_base: float = 10000.0, rope_scaling: dict | None = None,
+                         rotary_dim: int | None = None, positions: torch.Tensor | None = None,
+                         cache: KVCache | None = None, scale: float | None = None):
     """Equations (1)–(5) composed: ``Y[n τ i]`` from ``X[n τ i]``.
 
     ``dropout`` is applied to ``A`` (pass 0 outside training). ``need_weights=True``
@@ -286,8 +287,10 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     ``W[(g C a) i]``: query head μ = (g r) reads key/value group g = μ // r.
 
     ``rope`` ("half" or "interleaved") turns Q and K by rotary position embeddings
-    (:mod:`einattn.rotary`, base ``rope_base``) at ``positions`` (``(L,)`` or ``(n, L)``
-    integers; default: 0, 1, … after the tokens already in ``cache``). With a
+    (:mod:`einattn.rotary`, base ``rope_base``, frequencies scaled by ``rope_scaling``, the
+    first ``rotary_dim`` channels of each head) at ``positions`` (``(L,)`` or ``(n, L)``
+    integers; default: 0, 1, … after the tokens already in ``cache``). ``scale`` is the
+    softmax scale ``s`` of equation (2), ``S = s · Q K``: ``1/√a`` by default. With a
     :class:`~einattn.cache.KVCache`, this call's keys and values are appended to it and the
     queries attend over everything cached (causal aligned bottom-right);
     ``key_padding_mask`` then marks this call's new keys only.
@@ -309,22 +312,36 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
         _check_cache(cache, context)
     Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
     if rope is not None:
-        Q, K = _rotate(Q, K, rotary.check_style(rope, Q.shape[-1]), rotary.check_base(rope_base),
-                       positions,
-                       0 if cache is None else len(cache), cross=context is not None)
-    elif positions is not None:
-        raise EinattnError("positions= only matters with rope='half' or 'interleaved'; this "
-                           "attention has rope=None")
+        options = rotary.check_options(rope, rope_base, rope_scaling, rotary_dim, Q.shape[-1])
+        Q, K = _rotate(Q, K, options, positions, 0 if cache is None else len(cache),
+                       cross=context is not None)
+    elif positions is not None or rope_scaling is not None or rotary_dim is not None:
+        raise EinattnError("positions=, rope_scaling= and rotary_dim= only matter with "
+                           "rope='half' or 'interleaved'; this attention has rope=None")
+    Q_scaled = Q if scale is None else Q * (check_scale(scale) * math.sqrt(Q.shape[-1]))
     if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
         raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
                            f"Y[n τ i] must have the model width of X[n τ i]")
     how = (W_O, b_O, n_heads, mask, causal, dropout, need_weights, return_intermediates, impl,
            block_size)  # _attend's arguments after the keys', by position (~0.5 µs a call)
     if cache is None:
-        return _attend(Q, K, V, key_padding_mask, *how)
-    with cache.undo_on_error():  # this call's K and V join it; if it raises, it leaves them
-        K, V, key_padding_mask = cache.append(K, V, key_padding_mask)
-        return _attend(Q, K, V, key_padding_mask, *how)
+        out = _attend(Q_scaled, K, V, key_padding_mask, *how)
+    else:
+        with cache.undo_on_error():  # this call's K and V join it; if it raises, it leaves them
+            K, V, key_padding_mask = cache.append(K, V, key_padding_mask)
+            out = _attend(Q_scaled, K, V, key_padding_mask, *how)
+    if return_intermediates and scale is not None:
+        out[1]["Q"] = Q  # the stages show Q itself; s · √a was folded into it for (2)–(4)
+    return out
+
+
+def check_scale(scale) -> float:
+    """``scale`` itself, once it is known to be a finite positive number."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not 0 < scale < math.inf:
+        raise EinattnError(f"scale (s in S = s · Q K, 1/√a by default) must be a finite "
+                           f"positive number, got {scale!r}")
+    return scale
 
 
 def _attend(Q, K, V, key_padding_mask, W_O, b_O, n_heads: int, mask, causal: bool,
@@ -398,14 +415,15 @@ def _check_cache(cache, context) -> None:
 IMPLS = ("einsum", "sdpa", "chunked")
 
 
-def _rotate(Q, K, style: str, base: float, positions, offset: int, *, cross: bool):
+def _rotate(Q, K, options: tuple, positions, offset: int, *, cross: bool):
     """Q and K turned by (R1)/(R2), the keys at the queries' positions (self-attention)."""
     if cross:
         raise EinattnError("rope needs self-attention: with a context, the keys' positions "
                            "are not the queries'; drop rope or the context")
-    n, _, L, d_head = Q.shape
+    style, base, scaling, d_rot = options
+    n, _, L, _ = Q.shape
     t = rotary.positions_for(positions, n=n, L=L, offset=offset, device=Q.device)
-    R = rotary.rotations(t, d_head=d_head, base=base, dtype=Q.dtype)
+    R = rotary.rotations(t, d_head=d_rot, base=base, dtype=Q.dtype, scaling=scaling)
     return rotary.rotate(Q, R, style), rotary.rotate(K, R, style)
 
 

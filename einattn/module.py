@@ -51,7 +51,8 @@ class MultiHeadAttention(nn.Module):
                  n_kv_heads: int | None = None, bias: bool = False, dropout: float = 0.0,
                  causal: bool = False, init: str = "torch", impl: str = "einsum",
                  block_size: int = 256, rope: str | None = None, rope_base: float = 10000.0,
-                 device=None, dtype=None):
+                 rope_scaling: dict | None = None, rotary_dim: int | None = None,
+                 scale: float | None = None, device=None, dtype=None):
         super().__init__()
         d_head = _d_head(d_model, n_heads, d_head)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
@@ -62,7 +63,11 @@ class MultiHeadAttention(nn.Module):
         rows = self.n_kv_heads * (r + 2) * d_head
         self.dropout, self.causal = dropout, causal
         self.impl, self.block_size = _check_impl(impl), chunked.check_block_size(block_size)
-        self.rope, self.rope_base = rotary.check_style(rope, d_head), rotary.check_base(rope_base)
+        self.rope, self.rope_base = rope, rope_base
+        self.rope_scaling, self.rotary_dim = rope_scaling, rotary_dim
+        if rope is not None or rope_scaling is not None or rotary_dim is not None:
+            rotary.check_options(rope, rope_base, rope_scaling, rotary_dim, d_head)
+        self.scale = None if scale is None else functional.check_scale(scale)
         kw = {"device": device, "dtype": dtype}
         self.W = nn.Parameter(torch.empty(rows, d_model, **kw))
         self.W_O = nn.Parameter(torch.empty(n_heads, d_head, d_model, **kw))
@@ -91,7 +96,10 @@ class MultiHeadAttention(nn.Module):
         grouped = f"n_kv_heads={self.n_kv_heads}, " if self.n_kv_heads != self.n_heads else ""
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, {grouped}d_head={self.d_head}, "
                 f"bias={self.b is not None}, dropout={self.dropout}, causal={self.causal}, "
-                f"impl={self.impl!r}" + (f", rope={self.rope!r}" if self.rope else ""))
+                f"impl={self.impl!r}" + (f", rope={self.rope!r}" if self.rope else "")
+                + "".join(f", {k}={getattr(self, k)!r}" for k in ("rope_scaling", "rotary_dim",
+                                                                   "scale")
+                          if getattr(self, k) is not None))
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
@@ -127,7 +135,8 @@ class MultiHeadAttention(nn.Module):
             dropout=self.dropout if self.training else 0.0,
             need_weights=need_weights, return_intermediates=return_intermediates,
             impl=self.impl if impl is None else _check_impl(impl), block_size=self.block_size,
-            rope=self.rope, rope_base=self.rope_base, positions=positions, cache=cache)
+            rope=self.rope, rope_base=self.rope_base, rope_scaling=self.rope_scaling,
+            rotary_dim=self.rotary_dim, positions=positions, cache=cache, scale=self.scale)
 
     def _attention_weights(self) -> dict:
         """What forward hands :func:`einattn.functional.multi_head_attention`: parameters
@@ -262,6 +271,9 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None:
             raise EinattnError(f"nn.MultiheadAttention has no rotary embeddings, but this layer "
                                f"has rope={self.rope!r}")
+        if self.scale is not None:
+            raise EinattnError(f"nn.MultiheadAttention always scales the scores by 1/√a, but "
+                               f"this layer has scale={self.scale}")
         if self.causal:
             raise EinattnError("nn.MultiheadAttention keeps no causal flag, but this layer has "
                                "causal=True: convert a causal=False layer and pass "

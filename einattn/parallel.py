@@ -108,7 +108,8 @@ def gather_heads(layer: MultiHeadAttention) -> MultiHeadAttention:
         layer.d_model, layer.n_heads, d_head=layer.d_head, n_kv_heads=layer.n_kv_heads,
         bias=layer.b is not None, dropout=layer.dropout, causal=layer.causal,
         impl=layer.impl, block_size=layer.block_size, rope=layer.rope,
-        rope_base=layer.rope_base, device=full["W"].device, dtype=full["W"].dtype)
+        rope_base=layer.rope_base, rope_scaling=layer.rope_scaling, rotary_dim=layer.rotary_dim,
+        scale=layer.scale, device=full["W"].device, dtype=full["W"].dtype)
     with torch.no_grad():
         for name, t in full.items():
             if t is not None:

@@ -253,7 +253,7 @@ BAD = {
     "rope-odd-d_head": (lambda: MultiHeadAttention(30, 6, rope="half"),
                         r"rope turns pairs of channels, but index 'a' has odd size 5"),
     "positions-without-rope": (lambda: _layer()(_x(), positions=torch.arange(L_Q)),
-                               r"positions= only matters with rope='half' or 'interleaved'"),
+                               r"positions=, rope_scaling= and rotary_dim= only matter with rope="),
     "rope-with-context": (lambda: _layer(rope="half")(_x(), _c()),
                           r"rope needs self-attention: with a context, the keys' positions"),
     "to_torch-causal": (lambda: MultiHeadAttention(30, 5, causal=True).to_torch(),
@@ -270,6 +270,53 @@ BAD = {
                                  _x(), torch.ones(90, D, dtype=F64), torch.ones(5, 6, D,
                                  dtype=F64), n_heads=H, rope="half", rope_base=-1.0),
                              r"rope_base must be a finite positive number .* got -1\.0"),
+    "to_torch-scale": (lambda: MultiHeadAttention(30, 5, scale=0.1).to_torch(),
+                       r"nn.MultiheadAttention always scales the scores by 1/√a, but this layer "
+                       r"has scale=0.1"),
+    **{f"scale-{v}": (lambda v=v: _layer(scale=v), rf"scale \(s in S = s · Q K, 1/√a by "
+                                                    rf"default\) must be a finite positive "
+                                                    rf"number, got {v}")
+       for v in (0, -1.0, float("inf"), True)},
+    **{f"rotary_dim-{v}": (lambda v=v: _layer(rope="half", rotary_dim=v),
+                           rf"rotary_dim \(a_r, the channels of each head that turn\) must be "
+                           rf"an even int from 2 to d_head = 6, got {v}")
+       for v in (0, 3, 8, 2.0)},
+    "rope_scaling-not-dict": (lambda: _layer(rope="half", rope_scaling="linear"),
+                              r"rope_scaling must be a dict such as .* got str"),
+    "rope_scaling-type": (lambda: _layer(rope="half", rope_scaling={"rope_type": "longrope"}),
+                          r"rope_scaling's rope_type must be one of 'default', 'linear', "
+                          r"'dynamic', 'llama3', 'yarn', got 'longrope'"),
+    "rope_scaling-missing": (lambda: _layer(rope="half", rope_scaling={"rope_type": "llama3",
+                                                                        "factor": 8.0}),
+                             r"rope_scaling of rope_type 'llama3' needs \['factor', "
+                             r"'high_freq_factor', 'low_freq_factor', "
+                             r"'original_max_position_embeddings'\], got \['factor'\]"),
+    "rope_scaling-unknown-key": (lambda: _layer(rope="half", rope_scaling={
+                                     "rope_type": "linear", "factor": 2.0, "beta_fast": 3}),
+                                 r"rope_scaling of rope_type 'linear' needs \['factor'\], got "
+                                 r"\['beta_fast', 'factor'\]"),
+    "rope_scaling-factor": (lambda: _layer(rope="half", rope_scaling={"rope_type": "linear",
+                                                                       "factor": -2.0}),
+                            r"rope_scaling's factor must be a finite positive number, got -2.0"),
+    "rope_scaling-llama3-ramp": (lambda: _layer(rope="half", rope_scaling={
+                                     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4,
+                                     "high_freq_factor": 1,
+                                     "original_max_position_embeddings": 64}),
+                                 r"rope_scaling 'llama3' ramps between low_freq_factor and a "
+                                 r"larger high_freq_factor, got 4 and 1"),
+    "rope_scaling-theta": (lambda: _layer(rope="half", rope_scaling={
+                               "rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}),
+                           r"rope_scaling has rope_theta=500000.0 but rope_base=10000.0; pass "
+                           r"rope_base=500000.0"),
+    "rope_scaling-partial": (lambda: _layer(rope="half", rope_scaling={
+                                 "rope_type": "default", "partial_rotary_factor": 0.5}),
+                             r"rope_scaling has partial_rotary_factor=0.5, 3 of d_head = 6 "
+                             r"channels, but rotary_dim=6; pass rotary_dim=3"),
+    "rope_scaling-dynamic-2": (lambda: _layer(rope="half", rotary_dim=2, rope_scaling={
+                                   "rope_type": "dynamic", "factor": 2.0,
+                                   "max_position_embeddings": 16}),
+                               r"rope_scaling 'dynamic' raises the base to a_r/\(a_r − 2\): it "
+                               r"needs rotary_dim \(a_r\) of at least 4, got 2"),
     "mask-plus-inf": (_cross(mask=torch.zeros(L_Q, L_K, dtype=F64).index_fill(
                           1, torch.tensor([3]), float("inf"))),
                       r"mask holds \+inf, which would make every weight of its row NaN"),

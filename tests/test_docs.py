@@ -33,6 +33,7 @@ STAGES = [
 ]
 # The variations' equations shown in docs/derivation.md: (tag, module, constant, function).
 VARIATIONS = [
+    ("R0", "rotary", "ANGLES", "rotations"),
     ("R1", "rotary", "ROTATE_HALF", "rotate"),
     ("R2", "rotary", "ROTATE_INTERLEAVED", "rotate"),
     ("L1", "linear", "NUMERATOR", "numerator"),
@@ -47,6 +48,8 @@ HAND_WRITTEN = {
     "softmax (3)": ("3", r"A_{n \mu \tau \sigma} = \operatorname{softmax}_{\sigma}"
                          r"\left(S_{n \mu \tau \sigma} + M_{n \mu \tau \sigma}\right)"),
     "fusion rule": (None, r"(a\, i) = a \cdot p + i"),
+    # (2) with another scale s: run by handing (2)–(4) Q · s√a (functional.check_scale)
+    "scaled scores": (None, r"S_{n \mu \tau \sigma} = s \, Q_{n \mu \tau a} K_{n \mu \sigma a}"),
     "causal mask": (None, r"M_{\tau \sigma} = \begin{cases} 0 & \text{if } \sigma \le \tau"
                           r" + L_k - L_q \\ -\infty & \text{otherwise} \end{cases}"),
     "concatenation": (None, r"Y_{n \tau i} = \sum_{(\mu a)} H_{n \tau (\mu a)} (W_{o})_{i (\mu a)}"

@@ -34,8 +34,13 @@ def _rotate_every_two(x):
     return torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
 
 
-def _rope_reference(t: torch.Tensor, positions: torch.Tensor, style: str, base: float):
-    """``t`` (n, heads, L, d) turned as Llama ("half") or GPT-J ("interleaved") do it."""
+def _rope_reference(t: torch.Tensor, positions: torch.Tensor, style: str, base: float,
+                    rotary_dim: int | None = None):
+    """``t`` (n, heads, L, d) turned as Llama ("half") or GPT-J ("interleaved") do it; with
+    ``rotary_dim``, as GPT-NeoX does: its first ``rotary_dim`` channels only."""
+    if rotary_dim is not None:
+        turned = _rope_reference(t[..., :rotary_dim], positions, style, base)
+        return torch.cat([turned, t[..., rotary_dim:]], dim=-1)
     freqs = positions.to(F64)[..., None] * _inv_freq(t.shape[-1], base)  # (n, L, d/2)
     if style == "half":
         angles, turn = torch.cat([freqs, freqs], dim=-1), _rotate_half
@@ -45,16 +50,18 @@ def _rope_reference(t: torch.Tensor, positions: torch.Tensor, style: str, base: 
     return t * cos + turn(t) * sin
 
 
-def _llama_attention(x, w, *, n_heads, n_kv_heads, positions, style, base, causal=True):
-    """Separate q/k/v/o projections, rotary on q and k, keys and values repeated per group."""
+def _llama_attention(x, w, *, n_heads, n_kv_heads, positions, style, base, causal=True,
+                     rotary_dim=None, scale=None):
+    """Separate q/k/v/o projections, rotary on q and k, keys and values repeated per group,
+    scores times ``scale`` (1/√d by default)."""
     n, L_, _ = x.shape
     d = w["W_q"].shape[0] // n_heads
     q = (x @ w["W_q"].T).view(n, L_, n_heads, d).transpose(1, 2)
     k = (x @ w["W_k"].T).view(n, L_, n_kv_heads, d).transpose(1, 2)
     v = (x @ w["W_v"].T).view(n, L_, n_kv_heads, d).transpose(1, 2)
-    q, k = (_rope_reference(t, positions, style, base) for t in (q, k))
+    q, k = (_rope_reference(t, positions, style, base, rotary_dim) for t in (q, k))
     k, v = (t.repeat_interleave(n_heads // n_kv_heads, dim=1) for t in (k, v))
-    scores = q @ k.transpose(2, 3) / math.sqrt(d)
+    scores = q @ k.transpose(2, 3) * (1 / math.sqrt(d) if scale is None else scale)
     if causal:
         future = torch.ones(L_, L_, dtype=torch.bool).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
@@ -189,7 +196,8 @@ ERRORS = {
                         r"\(1, 7\) or \(2, 7\) \(n=2, τ=7\)"),
     "positions without rope": (lambda: MultiHeadAttention(D, H)(
                                    torch.ones(N, L, D), positions=torch.arange(L)),
-                               r"positions= only matters with rope='half' or 'interleaved'"),
+                               r"positions=, rope_scaling= and rotary_dim= only matter with "
+                               r"rope='half' or 'interleaved'"),
     "rope with context": (lambda: MultiHeadAttention(D, H, rope="half")(
                               torch.ones(N, L, D), torch.ones(N, 3, D)),
                           r"rope needs self-attention"),
@@ -224,3 +232,126 @@ def test_positions_broadcast_over_the_batch():
     t = torch.arange(L) + 11
     assert torch.equal(layer(x, positions=t[None]), layer(x, positions=t))
     assert torch.equal(layer(x, positions=t[None]), layer(x, positions=t.expand(N, L)))
+
+
+# -- partial rotary, the softmax scale, and the frequency scalings --------------------------
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+def test_rotary_dim_turns_the_first_channels_only(style, impl):
+    """GPT-NeoX/Phi partial rotary, a_r = 4 of a = 6: the reference turns t[..., :4] by
+    base^(−2p/4) and passes the rest; the layer equals it, and differs from full rotary."""
+    w = _weights(2, seed=21)
+    x, positions = randn(N, L, D, seed=22), (torch.arange(L) + 3).expand(N, L)
+    layer = MultiHeadAttention.from_projections(*w.values(), n_heads=H, n_kv_heads=2,
+                                                rope=style, rotary_dim=4, causal=True)
+    want = _llama_attention(x, w, n_heads=H, n_kv_heads=2, positions=positions, style=style,
+                            base=10000.0, rotary_dim=4)
+    assert_close_scaled(layer(x, positions=positions, impl=impl), want, TOL[F64])
+    full = _llama_attention(x, w, n_heads=H, n_kv_heads=2, positions=positions, style=style,
+                            base=10000.0)
+    assert (want - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+def test_scale_equals_the_written_out_softmax(impl):
+    """S = s · Q K with s = 0.37 (Gemma-style: not 1/√a); the stages show Q itself and
+    S = s · Q K."""
+    w = _weights(3, seed=31)
+    x, positions = randn(N, L, D, seed=32), torch.arange(L).expand(N, L)
+    layer = MultiHeadAttention.from_projections(*w.values(), n_heads=H, n_kv_heads=3,
+                                                rope="half", scale=0.37, causal=True)
+    want = _llama_attention(x, w, n_heads=H, n_kv_heads=3, positions=positions, style="half",
+                            base=10000.0, scale=0.37)
+    assert_close_scaled(layer(x, impl=impl), want, TOL[F64])
+    _, stages = layer(x, return_intermediates=True)
+    K = stages["K"].repeat_interleave(2, dim=1)
+    assert_close_scaled(stages["S"], 0.37 * stages["Q"] @ K.transpose(2, 3), TOL[F64])
+    assert (layer(x, impl=impl) - MultiHeadAttention.from_projections(
+        *w.values(), n_heads=H, n_kv_heads=3, rope="half", causal=True)(x)).abs().max() > 1e-3
+
+
+def test_the_cache_decodes_with_scaling_partial_rotary_and_scale():
+    """Prefill then one token at a time equals one causal forward, with every option on
+    (dynamic scaling reads the largest position, which grows past L₀ while decoding)."""
+    from einattn import KVCache
+
+    torch.manual_seed(41)
+    layer = MultiHeadAttention(D, H, n_kv_heads=2, rope="half", rotary_dim=4, scale=0.3,
+                               causal=True, dtype=F64, rope_scaling={
+                                   "rope_type": "linear", "factor": 2.0})
+    x = randn(N, L, D, seed=42)
+    cache = KVCache()
+    steps = [layer(x[:, :3], cache=cache)] + [layer(x[:, t:t + 1], cache=cache)
+                                             for t in range(3, L)]
+    assert_close_scaled(torch.cat(steps, dim=1), layer(x), TOL[F64])
+
+
+HF_SCALINGS = {  # Hugging Face rope_parameters, L₀ = 16 (positions run to 39)
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 2.5},
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+             "beta_fast": 8.0, "beta_slow": 1.0},
+}
+HF_L0, HF_D_HEAD = 16, 16  # a = 16: wavelengths 2π … ≈ 2π·10000^(7/8), across L₀'s ramps
+
+
+def _hf_llama(kind: str, n_kv_heads: int):
+    """A Hugging Face LlamaAttention with random float64 weights and its rotary embedding,
+    from a config with these rope_parameters, and einattn's rope_scaling for them."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    params = {**HF_SCALINGS[kind], "rope_theta": 10000.0}
+    config = transformers.LlamaConfig(
+        hidden_size=D, num_attention_heads=2, num_key_value_heads=n_kv_heads,
+        head_dim=HF_D_HEAD, max_position_embeddings=HF_L0, rope_parameters=params,
+        attn_implementation="eager")
+    torch.manual_seed(51)
+    attention = modeling_llama.LlamaAttention(config, layer_idx=0).double()
+    ours = dict(params, max_position_embeddings=HF_L0) if kind == "dynamic" else params
+    return attention, modeling_llama.LlamaRotaryEmbedding(config), ours
+
+
+@pytest.mark.parametrize("kind", list(HF_SCALINGS))
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+def test_rope_scaling_equals_hf_llama_attention(kind, impl):
+    """The same weights and rope_parameters through HF's LlamaAttention (eager, float64
+    weights) and einattn's layer, 40 positions (past L₀ = 16). HF computes its frequencies
+    and cos/sin in float32 whatever the model's dtype, so the two agree to float32's
+    precision (1e-5), not float64's; a wrong scaling is off by more than 1e-2."""
+    attention, rotary_embedding, scaling = _hf_llama(kind, n_kv_heads=1)
+    q, k, v, o = (getattr(attention, f"{p}_proj").weight.detach() for p in "qkvo")
+    W, W_O = layouts.from_hf_llama(q, k, v, o, n_heads=2, n_kv_heads=1)
+    layer = MultiHeadAttention.from_fused(W, W_O, n_kv_heads=1, rope="half", causal=True,
+                                          rope_scaling=scaling, impl=impl)
+    x = randn(2, 40, D, seed=52)
+    positions = torch.arange(40).expand(2, 40)
+    future = torch.full((40, 40), -math.inf, dtype=F64).triu(1)
+    want, _ = attention(x, rotary_embedding(x, positions), attention_mask=future[None, None])
+    assert_close_scaled(layer(x), want, 1e-5)
+    if kind != "default":
+        plain = MultiHeadAttention.from_fused(W, W_O, n_kv_heads=1, rope="half", causal=True)
+        assert (plain(x) - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kind", list(HF_SCALINGS))
+def test_frequencies_equal_hf_rope_init_functions(kind):
+    """ω[p] and the attention factor against HF's own ROPE_INIT_FUNCTIONS (float32)."""
+    pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    attention, rotary_embedding, scaling = _hf_llama(kind, n_kv_heads=2)
+    positions = torch.arange(40)[None]
+    init = ROPE_INIT_FUNCTIONS.get(kind, rotary_embedding.compute_default_rope_parameters)
+    hf = init(attention.config, **({"seq_len": 40} if kind == "dynamic" else {}))
+    omega, m = rotary.frequencies(positions, d_rot=HF_D_HEAD, base=10000.0,
+                                  scaling=rotary.check_scaling(scaling, base=10000.0,
+                                                               d_head=HF_D_HEAD,
+                                                               d_rot=HF_D_HEAD), dtype=F64)
+    assert_close_scaled(omega, hf[0].double(), 1e-6)
+    assert math.isclose(m, hf[1], rel_tol=1e-12)
