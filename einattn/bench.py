@@ -21,8 +21,9 @@ requiring grad and every gradient reset to None before each call.
 
 Compile: ``torch.compile`` of textbook, einsum and sdpa, timed interleaved with their
 eager forms. Memory: the peak resident-set growth of one forward+backward, each form in a
-fresh subprocess. The targets of the performance issue are printed with PASS, FAIL or
-SKIP; nothing is asserted.
+fresh subprocess. Targets (a ratio of medians, or of peak memory, that a form should stay
+under) are printed with PASS, FAIL or SKIP; ``einattn bench --check`` exits with status 1
+when one fails.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def parse_size(text: str) -> Size:
     return size
 
 
-# The issue's sizes, then one causal row (informational: targets read non-causal rows).
+# The sizes the targets name, then one causal row (informational: targets read non-causal
+# rows).
 SIZES = (Size(8, 128, 512, 8), Size(2, 1024, 512, 8), Size(1, 4096, 256, 4),
          Size(2, 5, 16, 4), Size(2, 1024, 512, 8, causal=True))
 COMPILE_SIZES = (Size(8, 128, 512, 8), Size(2, 1024, 512, 8))  # the mid sizes
@@ -559,7 +561,7 @@ def measure_memory(L: int, skip: dict[str, str]) -> MemoryRow:
 
 @dataclass(frozen=True)
 class Target:
-    """One of the issue's targets at one place: the measured ratio against its limit."""
+    """One target at one place: the measured ratio against its limit."""
 
     target: str
     where: str
@@ -585,7 +587,7 @@ def _spread(*timings: Timing | None) -> float | None:
 
 
 def targets(report: Report) -> list[Target]:
-    """The issue's targets, read from the rows run (a target with no row is SKIP)."""
+    """The targets, read from the rows run (a target with no row is SKIP)."""
     found: list[Target] = []
     plain = [r for r in report.rows if not r.size.causal]
     training = [r for r in plain if r.mode == "forward+backward"]
@@ -795,7 +797,8 @@ def lines(report: Report, table, paint) -> list[str]:
     else:
         out.append(f"  skipped: {s.why_no_memory}")
     found = targets(report)
-    out += ["", "targets of the performance issue (ratios of medians; reported, not asserted)"]
+    out += ["", "targets: ratios of medians (of peak memory for chunked) against their "
+                "limits; einattn bench --check exits 1 on a FAIL"]
     out += table(["verdict", "target", "where", "measured", "spread", "note"],
                  [[t.verdict, t.target, t.where, "—" if t.value is None else f"{t.value:.3f}×",
                    _percent(t.spread), t.note]

@@ -1,14 +1,15 @@
 """The command line: ``einattn`` and ``python -m einattn``.
 
-    einattn                  the main job: ``einattn trace --causal``, then ``einattn verify``
+    einattn [sizes]          the main job: ``einattn trace --causal``, then ``einattn verify``
     einattn trace [sizes]    each stage's equation, einsum, shapes, FLOPs, largest intermediate
     einattn verify [sizes]   every derivation step checked, and the scores' contraction order
     einattn latex            equations (1)–(5), (5a), (1g), (2g), (4g) as LaTeX
     einattn bench            the benchmark: timings, compile, peak memory, targets
 
-Every subcommand takes ``--json``. A subcommand is one function registered with
-:func:`command`; it returns an :class:`Output` (a JSON document, the lines people read,
-an exit status), and :func:`main` parses, dispatches and prints.
+Every subcommand takes ``--json``. Sizes whose largest tensor would need more than
+:data:`MEMORY_LIMIT` bytes are refused before anything is allocated. A subcommand is one
+function registered with :func:`command`; it returns an :class:`Output` (a JSON document,
+the lines people read, an exit status), and :func:`main` parses, dispatches and prints.
 """
 
 from __future__ import annotations
@@ -122,6 +123,46 @@ def _number(x: float | None) -> str:
 def _finite(x: float | None) -> float | None:
     """JSON has no inf or NaN: a deviation that is not finite becomes null."""
     return x if x is None or math.isfinite(x) else None
+
+
+# -- what a run would hold ------------------------------------------------------------------
+
+MEMORY_LIMIT = 2**30  # bytes: the largest tensor trace, verify and bench may allocate
+# The largest tensors of one attention layer, by their indices: the input (as large as Q, Z
+# and Y), the fused weight, the projections Q, K, V of the keys' side (σ = τ without a
+# context; with one, K and V from C and only Q from X), the scores. W and P with B = 3 bound
+# the grouped (g C a), C = r + 2 ≤ 3r; C, K, V, W_O and the rest are no larger.
+TRACE_TENSORS = ("X[n τ i]", "W[(μ B a) i]", "P[n σ μ B a]", "S[n μ τ σ]")
+VERIFY_TENSORS = TRACE_TENSORS + derivation.TENSORS
+
+
+def largest_tensor(sizes: dict[str, int], tensors: Sequence[str]) -> tuple[str, int]:
+    """The largest of ``tensors`` (written ``"S[n μ τ σ]"``) at ``sizes``, and its number of
+    elements."""
+    def elements(tensor: str) -> int:
+        indices = tensor[tensor.index("[") + 1:-1].replace("(", " ").replace(")", " ")
+        return math.prod(sizes[index] for index in indices.split())
+
+    largest = max(tensors, key=elements)
+    return largest, elements(largest)
+
+
+def _gib(n_bytes: int) -> str:
+    """Bytes in GiB to one decimal, in integers: no float overflows, however large."""
+    tenths = (10 * n_bytes + 2**29) >> 30
+    return f"{tenths // 10:,}.{tenths % 10} GiB"
+
+
+def check_memory(who: str, sizes: dict[str, int], tensors: Sequence[str],
+                 dtype: torch.dtype) -> None:
+    """Refuse, before anything is allocated, sizes whose largest tensor would need more than
+    :data:`MEMORY_LIMIT` bytes."""
+    tensor, elements = largest_tensor(sizes, tensors)
+    need = elements * dtype.itemsize
+    if need > MEMORY_LIMIT:
+        raise UsageError(f"{who} would hold {tensor} of {elements:,} "
+                         f"{str(dtype).removeprefix('torch.')} elements ({_gib(need)}), over "
+                         f"the limit of {_gib(MEMORY_LIMIT)} for one tensor: choose smaller sizes")
 
 
 # -- trace: the stages, run on seeded float64 input ------------------------------------------
@@ -238,7 +279,7 @@ def stage_lines(stages: list[Stage], paint: Paint) -> list[str]:
     equations = table(["stage", "equation", "einsum", "letters"],
                       [[s.label, str(s.equation), s.einsum or "— (not a contraction)",
                         _letters_text(s.letters)] for s in stages], paint)
-    costs = table(["stage", "in", "out", "FLOPs", "largest intermediate"],
+    costs = table(["stage", "in", "out", "FLOPs", "largest intermediate (elements)"],
                   [[s.label, _shapes_text(s.inputs), _shapes_text(s.outputs),
                     _count(s.flops), _count(s.largest_intermediate)] for s in stages],
                   paint, right=(3, 4))
@@ -439,19 +480,52 @@ def _positive(text: str) -> int:
     return value
 
 
+def _at_most(maximum: int, what: str) -> Callable[[str], int]:
+    """A positive integer no larger than ``maximum``, which is ``what``."""
+    def parse(text: str) -> int:
+        value = _positive(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{value:,} is over {maximum:,}, {what}")
+        return value
+    return parse
+
+
+# The size options' defaults (the derivation's worked example) and the sizes they set. Their
+# argparse default is SUPPRESS, so that a size given before the subcommand, or with none
+# (the main job), is not overwritten by the subcommand's default; main() fills these in.
+SIZE_DEFAULTS = {"batch": 2, "seq": 5, "seq_k": None, "d_model": 16, "heads": 4,
+                 "kv_heads": None}
+
+
 def size_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sizes (default: the seed's trace, n=2 τ=5 i=16 μ=4)")
-    add = group.add_argument
-    add("--batch", type=_positive, default=2, metavar="N", help="index n (default 2)")
-    add("--seq", type=_positive, default=5, metavar="L", help="index τ, query positions "
-        "(default 5)")
-    add("--seq-k", type=_positive, metavar="L_K", help="index σ, key positions: makes it "
-        "cross-attention on a context of this length (default: self-attention, σ = τ)")
-    add("--d-model", type=_positive, default=16, metavar="D", help="index i (default 16)")
-    add("--heads", type=_positive, default=4, metavar="H", help="index μ; d_head (index a) "
-        "is d_model / heads (default 4)")
-    add("--kv-heads", type=_positive, metavar="G", help="index g, key/value heads: "
-        "grouped-query attention with heads / G query heads per group (default: heads)")
+    group = parser.add_argument_group("sizes", "The defaults are the derivation's worked "
+                                      "example. Sizes whose largest tensor would need more "
+                                      f"than {_gib(MEMORY_LIMIT)} are refused.")
+
+    def add(flag: str, metavar: str, help: str) -> None:
+        default = SIZE_DEFAULTS[flag.removeprefix("--").replace("-", "_")]
+        group.add_argument(flag, type=_positive, default=argparse.SUPPRESS, metavar=metavar,
+                           help=help if default is None else f"{help} (default {default})")
+
+    add("--batch", "N", "index n")
+    add("--seq", "L", "index τ, query positions")
+    add("--seq-k", "L_K", "index σ, key positions: makes it cross-attention on a context of "
+        "this length (default: self-attention, σ = τ)")
+    add("--d-model", "D", "index i")
+    add("--heads", "H", "index μ; d_head (index a) is d_model / heads")
+    add("--kv-heads", "G", "index g, key/value heads: grouped-query attention with heads / G "
+        "query heads per group (default: heads)")
+
+
+def _fill_sizes(args: argparse.Namespace, name: str, takes_sizes: bool) -> None:
+    """Put the size defaults into ``args``; refuse sizes given to a subcommand without them
+    (``einattn --seq 3 latex``)."""
+    given = [f"--{key.replace('_', '-')}" for key in SIZE_DEFAULTS if key in vars(args)]
+    if given and not takes_sizes:
+        raise UsageError(f"{name} takes no size options ({', '.join(given)}): they belong to "
+                         f"trace, verify and einattn with no subcommand")
+    for key, default in SIZE_DEFAULTS.items():
+        vars(args).setdefault(key, default)
 
 
 def causal_option(parser: argparse.ArgumentParser) -> None:
@@ -465,7 +539,7 @@ def exact_option(parser: argparse.ArgumentParser) -> None:
 
 
 def sizes_of(args: argparse.Namespace) -> dict[str, int]:
-    """The index sizes the size options ask for, checked."""
+    """The index sizes the size options ask for, checked (but not their memory)."""
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}: "
                          f"each head gets d_head = d_model / heads channels (index a)")
@@ -476,17 +550,26 @@ def sizes_of(args: argparse.Namespace) -> dict[str, int]:
     return sizes if args.kv_heads is None else {**sizes, "g": args.kv_heads}
 
 
+def checked_sizes(args: argparse.Namespace, who: str, tensors: Sequence[str]) -> dict[str, int]:
+    """The sizes, refused where one of ``tensors`` (in float64) would not fit (``c`` given for
+    the linear-attention steps')."""
+    sizes = sizes_of(args)
+    check_memory(who, derivation.with_value_width(sizes), tensors, torch.float64)
+    return sizes
+
+
 @command("trace", "the stage table: each stage's equation, einsum, shapes, FLOPs and "
-         "largest intermediate", size_options, causal_option)
+         "largest intermediate (in elements)", size_options, causal_option)
 def trace_command(args: argparse.Namespace, paint: Paint) -> Output:
-    return trace_output(sizes_of(args), cross=args.seq_k is not None, causal=args.causal,
-                        paint=paint)
+    return trace_output(checked_sizes(args, "trace", TRACE_TENSORS),
+                        cross=args.seq_k is not None, causal=args.causal, paint=paint)
 
 
 @command("verify", "check every derivation step (exit 1 if one fails) and show the "
          "scores' contraction order", size_options, exact_option)
 def verify_command(args: argparse.Namespace, paint: Paint) -> Output:
-    return verify_output(sizes_of(args), exact_only=args.exact, paint=paint)
+    return verify_output(checked_sizes(args, "verify", VERIFY_TENSORS), exact_only=args.exact,
+                         paint=paint)
 
 
 @command("latex", "the derivation's equations (1)–(5), (5a) and (1g), (2g), (4g) as LaTeX")
@@ -496,14 +579,20 @@ def latex_command(args: argparse.Namespace, paint: Paint) -> Output:
     return Output({"equations": equations}, "\n\n".join(lines).splitlines())
 
 
+MAX_ROUNDS = 1000  # --repeats: a round of the full run takes seconds, 1,000 an hour or more
+
+
 def bench_options(parser: argparse.ArgumentParser) -> None:
     def size(text: str):
         from . import bench
 
         try:
-            return bench.parse_size(text)
-        except ValueError as error:
+            found = bench.parse_size(text)
+            check_memory(f"bench at {found.label}", derivation.default_sizes(
+                found.n, found.L, found.d_model, found.heads), TRACE_TENSORS, torch.float32)
+        except (ValueError, UsageError) as error:
             raise argparse.ArgumentTypeError(str(error)) from None
+        return found
 
     add = parser.add_argument
     add("--quick", action="store_true", help="tiny sizes, 3 rounds, one small memory run, no "
@@ -513,18 +602,23 @@ def bench_options(parser: argparse.ArgumentParser) -> None:
     add("--sizes", nargs="+", type=size, metavar="N,L,D,H", help="the sizes to time, each "
         "n,L,d_model,heads (append ,causal for a causal row); compile then runs at every one "
         "(default: 8,128,512,8 2,1024,512,8 1,4096,256,4 2,5,16,4 and 2,1024,512,8,causal; "
-        "compile at the first two)")
-    add("--repeats", type=_positive, metavar="R", help="interleaved timing rounds (default "
-        "11, or 3 with --quick)")
-    add("--threads", type=_positive, metavar="T", help="torch intra-op threads (default: "
-        "torch's, one per core)")
+        "compile at the first two); sizes whose largest tensor would need more than "
+        f"{_gib(MEMORY_LIMIT)} are refused")
+    add("--repeats", type=_at_most(MAX_ROUNDS, "the most rounds bench runs"), metavar="R",
+        help=f"interleaved timing rounds, 1 to {MAX_ROUNDS:,} (default 11, or 3 with --quick)")
+    cores = os.cpu_count() or 1
+    add("--threads", type=_at_most(cores, "the CPU cores this machine has"), metavar="T",
+        help=f"torch intra-op threads, 1 to {cores} (default: torch's, one per core)")
     add("--clock", choices=("wall", "cpu"), default="wall", help="time samples by the wall "
         "clock (default) or by the process's CPU time, which leaves out the time a shared "
         "machine spends on other work (use it with --threads 1)")
+    add("--check", action="store_true", help="exit with status 1 when a target fails "
+        "(default: report the targets and exit 0)")
 
 
 @command("bench", "time einattn's einsum, sdpa and chunked paths against the textbook form, "
-         "nn.MultiheadAttention and Linear+SDPA; compile and peak memory too", bench_options)
+         "nn.MultiheadAttention and Linear+SDPA; compile and peak memory too; targets with "
+         "PASS, FAIL or SKIP (--check: exit 1 if one fails)", bench_options)
 def bench_command(args: argparse.Namespace, paint: Paint) -> Output:
     from . import bench  # imported on use: only this subcommand needs it
 
@@ -534,14 +628,17 @@ def bench_command(args: argparse.Namespace, paint: Paint) -> Output:
                                     clock=args.clock)
     report = bench.run(settings, lambda text: print(f"einattn bench: {text}", file=sys.stderr,
                                                     flush=True))  # progress, off stdout
-    return Output(report.as_json(), bench.lines(report, table, paint))
+    failed = any(t.verdict == "FAIL" for t in bench.targets(report))
+    return Output(report.as_json(), bench.lines(report, table, paint),
+                  1 if args.check and failed else 0)
 
 
 def main_job(args: argparse.Namespace, paint: Paint) -> Output:
-    """No subcommand: ``einattn trace --causal``, then ``einattn verify``, at the defaults."""
-    sizes = derivation.default_sizes()
+    """No subcommand: ``einattn trace --causal``, then ``einattn verify``, at the sizes given
+    (default: the derivation's worked example)."""
+    sizes = checked_sizes(args, "the main job", VERIFY_TENSORS)
     head = Output({}, ["einattn: multi-head attention, one index equation per stage"])
-    return (head + trace_output(sizes, cross=False, causal=True, paint=paint)
+    return (head + trace_output(sizes, cross=args.seq_k is not None, causal=True, paint=paint)
             + verify_output(sizes, exact_only=False, paint=paint))
 
 
@@ -560,8 +657,10 @@ def _json_option(parser: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="einattn", description="Multi-head attention as index-notation math. "
-                  "With no subcommand: the main job, `trace --causal` then `verify`.")
+                  "With no subcommand: the main job, `trace --causal` then `verify`, at the "
+                  "sizes given here.")
     _json_option(top)
+    size_options(top)
     sub = top.add_subparsers(dest="command", title="subcommands (each has --help)")
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
@@ -579,12 +678,15 @@ def _one_line(error: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line. Exit status: 0 done, 1 a step failed, 2 bad arguments (one line
-    on stderr), 141 (as for SIGPIPE) when stdout was closed early."""
+    """Run the command line. Exit status: 0 done, 1 a step (or, with ``bench --check``, a
+    target) failed, 2 bad arguments (one line on stderr), 141 (as for SIGPIPE) when stdout
+    was closed early."""
     try:
         args = parser().parse_args(argv)
-        run = COMMANDS[args.command].run if args.command else main_job
-        output = run(args, Paint.for_stdout())
+        chosen = COMMANDS.get(args.command)
+        _fill_sizes(args, args.command or "einattn",
+                    chosen is None or size_options in chosen.options)
+        output = (chosen.run if chosen else main_job)(args, Paint.for_stdout())
     except SystemExit as done:  # --help printed its text
         return done.code if isinstance(done.code, int) else 0
     except (UsageError, EinattnError) as error:

@@ -35,9 +35,24 @@ class Step:
 
 def default_sizes(n: int = 2, L: int = 5, d_model: int = 16, n_heads: int = 4,
                   L_k: int | None = None) -> dict[str, int]:
-    """Index sizes for the steps; the default is the seed's shape trace (2, 5, 16, 4)."""
+    """Index sizes for the steps; the default is the derivation's worked example: n=2, L=5,
+    d_model=16, 4 heads."""
     return {"n": n, "τ": L, "σ": L if L_k is None else L_k, "i": d_model, "j": d_model,
             "μ": n_heads, "a": d_model // n_heads, "B": 3}
+
+
+def with_value_width(s: dict[str, int]) -> dict[str, int]:
+    """``s`` with ``c``, the value width of the linear-attention steps: a + 3, so that a
+    swapped a and c cannot hide."""
+    return {**s, "c": s["a"] + 3}
+
+
+# The tensors the steps hold beyond one attention layer's (einattn.cli.TRACE_TENSORS), by
+# their indices at with_value_width(sizes): the self-attention steps' scores (σ = τ, whatever
+# L_k is); the circuits' W_QK (W_OV is as large); the per-head terms Y_μ, as large as A X in
+# the OV circuit; the linear-attention steps' prefix sums H. `einattn verify` refuses sizes
+# where the largest would not fit (RoPE's even a ≤ a + 1 < c).
+TENSORS = ("S[n μ τ τ]", "W_QK[μ i j]", "Y_μ[n μ τ i]", "H[n μ τ a c]", "H[n μ σ a c]")
 
 
 # -- the right-hand sides: textbook forms, written without einattn's equations ----------
@@ -205,10 +220,12 @@ def _rope_scores(shift: int):
 
 def _decode_forms(n_heads: int, n_kv_heads: int):
     def prefill_then_steps(X, W, W_O):
-        """Two tokens of prefill, then one token a call, through a KVCache (RoPE on)."""
+        """Two tokens of prefill (the one token there is when τ = 1), then one token a
+        call, through a KVCache (RoPE on)."""
         cache, options = KVCache(), {"n_heads": n_heads, "n_kv_heads": n_kv_heads,
                                      "causal": True, "rope": "half"}
-        cuts = [0, *range(2, X.shape[1] + 1)]
+        L = X.shape[1]
+        cuts = [0, *range(min(2, L), L + 1)]
         return torch.cat([functional.multi_head_attention(X[:, a:b], W, W_O, cache=cache,
                                                           **options)
                           for a, b in itertools.pairwise(cuts)], dim=1)
@@ -259,7 +276,7 @@ def variation_steps(s: dict[str, int]) -> list[Step]:
     q = _gqa_sizes(s)
     μ, g = q["μ"], q["g"]
     even = {**s, "σ": s["τ"], "a": 2 * max(1, s["a"] // 2)}  # RoPE turns pairs
-    lin = {**s, "c": s["a"] + 3}
+    lin = with_value_width(s)
     circuit = {k: v for k, v in q.items() if k not in "Bj"}  # fewer sizes: a wider exact span
     prefix = {k: v for k, v in {**lin, "σ": s["τ"]}.items() if k in "nμτσac"}
     return [
@@ -297,7 +314,7 @@ def variation_mutations(s: dict[str, int]) -> list[Step]:
         Step("tiled GQA heads (r g) read as grouped (g r)", *_tiled(t["μ"], t["g"]), t,
              exact=False, inputs=_LAYER_GQA),
         Step("causal linear attention with a strict prefix σ < τ", _linear_prefix_sums,
-             _linear_strict_prefix, {**s, "σ": s["τ"], "c": s["a"] + 3}, exact=True,
+             _linear_strict_prefix, {**with_value_width(s), "σ": s["τ"]}, exact=True,
              inputs=_PHIS),
     ]
 
@@ -305,7 +322,7 @@ def variation_mutations(s: dict[str, int]) -> list[Step]:
 # -- the registry ---------------------------------------------------------------------------
 
 def steps(sizes: dict[str, int] | None = None) -> list[Step]:
-    """Every true step of docs/derivation.md at ``sizes`` (default: the seed's trace),
+    """Every true step of docs/derivation.md at ``sizes`` (default: the worked example),
     the variations' last."""
     s = default_sizes() if sizes is None else sizes
     self_sizes = {**s, "σ": s["τ"]}

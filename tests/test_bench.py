@@ -101,7 +101,7 @@ def test_quick_text_names_every_form_and_every_target(quick):
         assert (bench.NAMES[name] in out) == (name not in skipped), name
     assert "(2, 5, 16, 4)  n=2 τ=σ=5 i=16 μ=4 a=4" in out
     assert "skipped: --no-compile" in out and "skipped: --no-memory" in out
-    verdicts = [line.split()[0] for line in out.split("targets of the performance issue")[1]
+    verdicts = [line.split()[0] for line in out.split("\ntargets: ")[1]
                 .splitlines()[2:] if line.split() and line.split()[0] in bench.VERDICTS]
     # which targets are checked depends on the sizes and modes run, not on the timings
     assert verdicts and len(verdicts) == len(quick["targets"])
@@ -205,7 +205,8 @@ def test_timing_statistics():
 
 
 def fake_row(size: bench.Size, mode: str, **medians: float) -> bench.Row:
-    return bench.Row(size, mode, {name: bench.Timing((m,), 1) for name, m in medians.items()})
+    return bench.Row(size, mode, {name: bench.Timing((m,), 1) for name, m in medians.items()},
+                     deviation=dict.fromkeys(medians, 0.0))
 
 
 def verdicts(report: bench.Report) -> dict[tuple[str, str], str]:
@@ -247,6 +248,25 @@ def test_memory_and_compile_targets():
     assert found["chunked peak memory ≤ 2× Linear+SDPA's", "L=8192 forward+backward"] == "FAIL"
     assert found["compiled einsum ≤ 1.05× compiled textbook", f"{bench.SIZES[0].label} forward"] \
         == "PASS"
+
+
+@pytest.mark.parametrize("einsum, argv, status", [
+    (1.31, ["--check"], 1),
+    (1.31, [], 0),  # without --check, bench only reports
+    (1.29, ["--check"], 0),
+], ids=["missed, --check", "missed", "met, --check"])
+def test_check_exits_1_when_a_target_is_missed(monkeypatch, einsum, argv, status):
+    """A stand-in run at (2, 5, 16, 4), where einsum's target is ≤ 1.3× textbook; every
+    other target there passes (sdpa equal to both baselines) or is skipped."""
+    tiny = bench.SIZES[3]
+    report = bench.Report(bench.Settings.build(sizes=(tiny,), compile=False, memory=False))
+    report.rows = [fake_row(tiny, mode, einsum=einsum, textbook=1.0, sdpa=1.0, linear_sdpa=1.0,
+                            torch_mha=1.0) for mode in bench.MODES]
+    monkeypatch.setattr(bench, "run", lambda settings, progress=None: report)
+    code, out, _ = einattn("bench", *argv)
+    assert code == status
+    missed = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert len(missed) == (einsum > 1.3) and "--check exits 1 on a FAIL" in out
 
 
 # -- memory ----------------------------------------------------------------------------------

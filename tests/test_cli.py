@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from einattn import EinattnError, Equation, cli, derivation, functional, reference
 from einattn.derivation import Step
@@ -126,15 +128,155 @@ BAD_ARGUMENTS = {
     "option of another subcommand": (["latex", "--seq", "3"], "unrecognized arguments"),
     "kv heads not dividing": (["trace", "--kv-heads", "3"],
                               "--heads 4 is not a multiple of --kv-heads 3"),
+    "sizes before latex": (["--seq", "3", "latex"], "latex takes no size options (--seq)"),
+    "sizes before bench": (["--heads", "2", "--batch", "1", "bench"],
+                           "bench takes no size options (--batch, --heads)"),
 }
+
+
+def assert_usage_error(code: int, out: str, err: str, message: str) -> None:
+    assert code == 2 and out == ""
+    assert err.startswith("einattn: error: ") and err.count("\n") == 1
+    assert message in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv, message", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS)
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
-    code, out, err = run(capsys, *argv)
-    assert code == 2 and out == ""
-    assert err.startswith("einattn: error: ") and err.count("\n") == 1
-    assert message in err and "Traceback" not in err
+    assert_usage_error(*run(capsys, *argv), message)
+
+
+# -- every size option at its edges ----------------------------------------------------------
+
+TOO_BIG = "over the limit of 1.0 GiB for one tensor: choose smaller sizes"
+HUGE = str(10**9)
+BENCH = ["bench", "--quick", "--no-compile", "--no-memory", "--sizes", "2,5,16,4",
+         "--repeats", "1"]
+CORES = str(os.cpu_count())
+# option: {edge: (value, None for a result, else a fragment of the one-line error)}.
+# "= X" is a value equal to X's (default) size.
+SIZE_EDGES = {
+    "--batch": {"1": ("1", None), "= --seq": ("5", None), "10**9": (HUGE, TOO_BIG)},
+    "--seq": {"1": ("1", None), "= --batch": ("2", None), "10**9": (HUGE, TOO_BIG)},
+    "--seq-k": {"1": ("1", None), "= --seq": ("5", None), "10**9": (HUGE, TOO_BIG)},
+    "--d-model": {"1": ("1", "--d-model 1 is not divisible by --heads 4"),
+                  "= --heads": ("4", None), "10**9": (HUGE, TOO_BIG)},
+    "--heads": {"1": ("1", None), "= --d-model": ("16", None),
+                "10**9": (HUGE, f"--d-model 16 is not divisible by --heads {HUGE}")},
+    "--kv-heads": {"1": ("1", None), "= --heads": ("4", None),
+                   "10**9": (HUGE, f"--heads 4 is not a multiple of --kv-heads {HUGE}")},
+}
+BENCH_EDGES = {
+    "--sizes": {"1": ("1,1,1,1", None), "= each other": ("3,3,6,6", None),
+                "n 10**9": (f"{HUGE},5,16,4", f"bench at ({HUGE}, 5, 16, 4) would hold"),
+                "L 10**9": (f"2,{HUGE},16,4", TOO_BIG),
+                "d_model 10**9": (f"2,5,{HUGE},4", TOO_BIG),
+                "heads 10**9": (f"2,5,16,{HUGE}", f"d_model=16 is not divisible by heads={HUGE}"),
+                "0": ("2,0,16,4", "four positive integers"),
+                "negative": ("2,5,16,-4", "four positive integers")},
+    "--repeats": {"1": ("1", None), "10**9": (HUGE, "1,000,000,000 is over 1,000")},
+    "--threads": {"1": ("1", None), "= cores": (CORES, None),
+                  "10**9": (HUGE, f"is over {int(CORES):,}, the CPU cores this machine has")},
+}
+for edges in (*SIZE_EDGES.values(), BENCH_EDGES["--repeats"], BENCH_EDGES["--threads"]):
+    edges |= {"0": ("0", "must be a positive integer, got 0"),
+              "negative": ("-1", "must be a positive integer, got -1")}
+SUBCOMMANDS = {"main job": ([], SIZE_EDGES), "trace": (["trace"], SIZE_EDGES),
+               "verify": (["verify"], SIZE_EDGES), "bench": (BENCH, BENCH_EDGES)}
+EDGE_CASES = [pytest.param(argv, option, value, expected, id=f"{name} {option} {edge}")
+              for name, (argv, table) in SUBCOMMANDS.items()
+              for option, edges in table.items()
+              for edge, (value, expected) in edges.items()]
+# Where each option's value shows in the JSON document.
+SHOWN_AT = {
+    "--batch": lambda doc: doc["sizes"]["n"], "--seq": lambda doc: doc["sizes"]["τ"],
+    "--seq-k": lambda doc: doc["sizes"]["σ"], "--d-model": lambda doc: doc["sizes"]["i"],
+    "--heads": lambda doc: doc["sizes"]["μ"], "--kv-heads": lambda doc: doc["sizes"]["g"],
+    "--sizes": lambda doc: ",".join(str(doc["settings"]["sizes"][0][k])
+                                    for k in ("n", "L", "d_model", "heads")),
+    "--repeats": lambda doc: doc["settings"]["rounds"],
+    "--threads": lambda doc: doc["machine"]["threads"],
+}
+
+
+class Largest(TorchDispatchMode):
+    """The most elements any operation's result held in memory (a view: its whole storage)
+    while the mode was on, counted in 8-byte elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        made = func(*args, **(kwargs or {}))
+        self.elements = max([self.elements, *(t.untyped_storage().nbytes() // 8
+                                              for t in tree_flatten(made)[0]
+                                              if isinstance(t, torch.Tensor))])
+        return made
+
+
+@pytest.mark.parametrize("argv, option, value, expected",
+                         [case for case in EDGE_CASES if case.values[3] is None])
+def test_a_size_at_its_edge_gives_a_result(capsys, argv, option, value, expected):
+    code, doc = run_json(capsys, *argv, option, value)
+    assert code == 0 and doc.get("passed", True)  # verify and the main job: every step
+    assert str(SHOWN_AT[option](doc)) == value
+
+
+@pytest.mark.parametrize("argv, option, value, expected",
+                         [case for case in EDGE_CASES if case.values[3] is not None])
+def test_a_size_past_its_edge_is_one_usage_error_before_any_tensor(capsys, argv, option, value,
+                                                                   expected):
+    with Largest() as made:
+        code, out, err = run(capsys, *argv, option, value)
+    assert_usage_error(code, out, err, expected)
+    assert made.elements == 0  # refused from the sizes alone
+
+
+def test_the_memory_error_states_the_estimate_and_the_limit(capsys):
+    code, out, err = run(capsys, "verify", "--seq", "10000")
+    assert_usage_error(code, out, err, "verify would hold S[n μ τ σ] of 800,000,000 float64 "
+                       "elements (6.0 GiB), over the limit of 1.0 GiB for one tensor")
+    sizes = derivation.with_value_width(derivation.default_sizes(L=10_000))
+    assert cli.largest_tensor(sizes, cli.VERIFY_TENSORS) == ("S[n μ τ σ]", 2 * 4 * 10_000**2)
+
+
+# Sizes at which each tensor of the estimate is the largest in turn (in the comment; H[n μ τ
+# a c] with one key and wide heads).
+ESTIMATED = {
+    "trace long": "trace --seq 40 --d-model 24 --heads 6 --kv-heads 2 --causal",  # S[n μ τ σ]
+    "trace one head": "trace --batch 5 --seq 9 --d-model 12 --heads 1",  # P[n σ μ B a]
+    "trace one key": "trace --batch 5 --seq 9 --seq-k 1 --d-model 12 --heads 1",  # X[n τ i]
+    "trace wide": "trace --batch 1 --seq 2 --d-model 64 --heads 2",  # W[(μ B a) i]
+    "verify long keys": "verify --seq 3 --seq-k 30 --d-model 8",  # H[n μ σ a c]
+    "verify one key": "verify --seq 40 --seq-k 1",  # S[n μ τ τ]
+    "verify one key, wide heads": "verify --batch 8 --seq 2 --seq-k 1 --d-model 48 --heads 2",
+    "verify 32 heads of 2": "verify --batch 1 --seq 2 --d-model 64 --heads 32",  # W_QK[μ i j]
+    "verify 8 heads of 2": "verify --batch 4 --seq 8 --heads 8",  # Y_μ[n μ τ i]
+}
+
+
+@pytest.mark.parametrize("argv", [argv.split() for argv in ESTIMATED.values()], ids=ESTIMATED)
+def test_the_memory_estimate_bounds_every_tensor_made(capsys, argv):
+    """The estimate that refuses sizes is the most memory one tensor of the run takes, or a
+    little more."""
+    with Largest() as made:
+        code, doc = run_json(capsys, *argv)
+    tensors = cli.TRACE_TENSORS if argv[0] == "trace" else cli.VERIFY_TENSORS
+    _, estimate = cli.largest_tensor(derivation.with_value_width(doc["sizes"]), tensors)
+    assert code == 0 and made.elements <= estimate <= 2 * made.elements
+
+
+@pytest.mark.parametrize("argv, head", [
+    (["--seq", "1"], "trace: n=2 τ=1 σ=1 i=16 μ=4 a=4, self-attention, causal"),
+    (["--seq", "3", "--seq-k", "4"], "trace: n=2 τ=3 σ=4 i=16 μ=4 a=4, cross-attention, causal"),
+    (["--seq", "3", "trace"], "trace: n=2 τ=3 σ=3 i=16 μ=4 a=4, self-attention,"),
+    (["--seq", "3", "trace", "--seq", "4"], "trace: n=2 τ=4 σ=4 i=16 μ=4 a=4, self-attention,"),
+    (["--batch", "3", "verify", "--seq", "2"], "derivation steps at n=3 τ=2 σ=2 i=16 μ=4 a=4"),
+], ids=["main job", "main job, cross", "before trace", "before and after trace",
+        "before and after verify"])
+def test_sizes_before_the_subcommand_or_without_one(capsys, argv, head):
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and head in out
 
 
 def test_kv_heads_equal_to_heads_is_accepted(capsys):

@@ -84,6 +84,14 @@ def test_every_step_holds(label, name, exact):
         assert report.max_deviation == 0.0 and report.false_acceptance < 1e-8
 
 
+@pytest.mark.parametrize("L_k", [None, 4], ids=["self", "L_k 4"])
+def test_every_step_holds_at_one_query_position(L_k):
+    """τ = 1: the cache step's prefill is then the one token, with no token steps after it."""
+    for step in steps(default_sizes(n=1, L=1, d_model=6, n_heads=3, L_k=L_k)):
+        report = check(step, step.exact)
+        assert report.equal, f"{step.name}: {report}"
+
+
 @pytest.mark.parametrize("label, name, exact", cases(mutations))
 def test_every_mutation_is_rejected(label, name, exact):
     step = named(mutations(SIZES[label]), name)
