@@ -66,6 +66,31 @@ def test_pyproject_never_caps_torch_and_declares_the_console_script():
     assert project["scripts"]["einattn"] == "einattn.cli:main"
 
 
+def test_readme_names_every_dependency_and_its_floor_and_no_package_index_install():
+    """The dependency sentence is pyproject's list (the torch floor included), and every
+    install instruction names a checkout: einattn is on no package index."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    torch_spec = next(d for d in project["dependencies"] if d.startswith("torch"))
+    assert f"`{torch_spec}`" in README
+    for dependency in project["dependencies"]:
+        assert f"`{re.split(r'[<>=]', dependency)[0]}" in README, dependency
+    assert not re.search(r"pip install (-\w+ )*einattn\b", README)
+
+
+def test_import_einattn_loads_no_optional_dependency():
+    """transformers (the hf extra), matplotlib and tqdm load only where they are used."""
+    import subprocess
+
+    code = ("import sys, torch; before = set(sys.modules); import einattn; "
+            "print(sorted(m.split('.')[0] for m in set(sys.modules) - before))")
+    added = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout  # what einattn adds to what torch loads
+    assert "einattn" in added
+    for optional in ("transformers", "matplotlib", "tqdm"):
+        assert f"'{optional}'" not in added, added
+
+
 def run_example() -> tuple[dict, str]:
     (example,) = blocks("python")
     namespace: dict = {}
