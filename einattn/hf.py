@@ -1,0 +1,200 @@
+"""Hugging Face attention modules as einattn layers: :func:`layer`.
+
+``layer(module)`` reads one attention module of a ``transformers`` model, its weights and
+its ``config``, and returns an equal :class:`~einattn.MultiHeadAttention`: its forward on
+the hidden states ``x[n τ i]`` equals the module's forward on them, given the causal mask
+and the positions ``0 … L−1`` that the model hands it (pass ``positions=`` for others).
+What the layer takes from where:
+
+* the weights: GPT-2's ``c_attn``/``c_proj`` by :func:`einattn.layouts.from_gpt2`, the
+  ``q_proj``/``k_proj``/``v_proj``/``o_proj`` of the Llama family by
+  :func:`einattn.layouts.from_hf_llama` (the key/value heads ``g`` from ``k_proj``'s rows);
+* RoPE: the style from the class (how its ``apply_rotary_pos_emb`` pairs channels), the base
+  and the scaling from ``config.rope_parameters``, ``rotary_dim`` from its
+  ``partial_rotary_factor``;
+* the softmax scale from ``module.scaling`` where it is not ``1/√a`` (GPT-2's
+  ``scale_attn_weights`` and ``scale_attn_by_inverse_layer_idx``, Gemma 2's
+  ``query_pre_attn_scalar``);
+* ``causal`` from ``module.is_causal``, the attention dropout and the train/eval mode from
+  the module.
+
+What einattn's layer cannot compute yet raises :class:`~einattn.EinattnError` naming the
+option and the model: a sliding window active for this layer, logit soft-capping, attention
+sinks, normalised queries and keys (``q_norm``, ``k_norm``), a ``rope_type`` other than
+linear, dynamic, llama3 or yarn, cross-attention, and any class not in :data:`ROPE_STYLES`
+or GPT-2's. Nothing is left out silently.
+
+``transformers`` is never imported, here or by ``import einattn``: a module is recognised
+by its exact class (a subclass may have changed its forward, so it is refused).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from . import layouts, rotary
+from .errors import EinattnError
+from .module import MultiHeadAttention
+
+# The attention classes with q_proj, k_proj, v_proj and o_proj, and how their
+# apply_rotary_pos_emb pairs channels: "half" rotates the two halves of the turning
+# channels against each other (R1), "interleaved" neighbours (R2).
+ROPE_STYLES = {
+    "LlamaAttention": "half",
+    "MistralAttention": "half",
+    "Qwen2Attention": "half",
+    "GemmaAttention": "half",
+    "Gemma2Attention": "half",
+    "StableLmAttention": "half",  # partial rotary: the first rotary_ndims channels turn
+    "GlmAttention": "interleaved",  # partial rotary, neighbouring channels paired
+}
+GPT2 = "GPT2Attention"
+
+# Submodules that normalise queries or keys per head before the scores: einattn has none.
+_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+
+
+def layer(module: nn.Module) -> MultiHeadAttention:
+    """An einattn layer equal to one Hugging Face attention ``module`` (GPT-2, Llama,
+    Mistral, Qwen2, Gemma, Gemma 2, StableLM, GLM), on its device, in its dtype, holding
+    copies of its weights.
+
+    For ``model.model.layers[k].self_attn`` (``model.transformer.h[k].attn`` for GPT-2),
+    ``layer(module)(x)`` equals ``module(x, position_embeddings=..., attention_mask=...)[0]``
+    with the model's rotary embedding of positions ``0 … L−1`` and its causal mask.
+    A module that is not one of these, or uses what einattn cannot compute, is refused:
+
+    >>> layer(nn.Linear(4, 4))
+    Traceback (most recent call last):
+    ...
+    einattn.errors.EinattnError: not a Hugging Face attention module (no config): Linear
+    """
+    config = getattr(module, "config", None)
+    if not isinstance(module, nn.Module) or config is None:
+        raise EinattnError(f"not a Hugging Face attention module (no config): "
+                           f"{type(module).__name__}")
+    who = _describe(module)
+    _refuse_what_einattn_lacks(module, config, who)
+    kind = type(module).__name__
+    if not type(module).__module__.startswith("transformers.") or (
+            kind != GPT2 and kind not in ROPE_STYLES):
+        known = ", ".join([GPT2, *ROPE_STYLES])
+        raise EinattnError(f"einattn.hf.layer knows {known} (exact classes, from "
+                           f"transformers); got {who} from {type(module).__module__}")
+    converted = _gpt2(module, who) if kind == GPT2 else _rotary(module, config,
+                                                                ROPE_STYLES[kind], who)
+    return converted.train(module.training)
+
+
+def _describe(module: nn.Module) -> str:
+    model_type = getattr(module.config, "model_type", None)
+    return f"{type(module).__name__} (model_type {model_type!r})"
+
+
+def _refuse_what_einattn_lacks(module: nn.Module, config, who: str) -> None:
+    """Raise for each thing the module computes that einattn's layer has no option for."""
+    for name in _QK_NORMS:
+        if getattr(module, name, None) is not None:
+            raise EinattnError(f"{who} normalises queries and keys per head ({name}) before "
+                               f"the scores; einattn's layer has no such step")
+    if getattr(module, "sinks", None) is not None:
+        raise EinattnError(f"{who} has attention sinks (its 'sinks' parameter, one logit per "
+                           f"head in every softmax); einattn's layer has none yet")
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    softcap = getattr(config, "attn_logit_softcapping", None) if softcap is None else softcap
+    if softcap is not None:
+        raise EinattnError(f"{who} caps its scores (attn_logit_softcapping={softcap}: "
+                           f"S → c·tanh(S/c)); einattn's layer has no soft-capping yet")
+    window = _sliding_window(module, config)
+    if window is not None:
+        raise EinattnError(f"{who} layer {getattr(module, 'layer_idx', None)} attends within a "
+                           f"sliding window (sliding_window={window}); einattn's layer has no "
+                           f"window mask yet. For sequences of at most {window} tokens the "
+                           f"window masks nothing: set config.sliding_window = None")
+    if getattr(module, "is_cross_attention", False):
+        raise EinattnError(f"{who} is a cross-attention module (is_cross_attention=True, keys "
+                           f"from the encoder); einattn.hf.layer converts self-attention only")
+
+
+def _sliding_window(module: nn.Module, config) -> int | None:
+    """The window this layer attends within, as the model decides it: the module's own
+    ``sliding_window`` where it keeps one (Qwen2, Gemma 2: set for the layers that
+    ``config.layer_types`` calls "sliding_attention"), else the config's for every layer
+    (Mistral)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    layer_types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if layer_types is not None and index is not None:
+        return config.sliding_window if layer_types[index] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
+
+
+def _gpt2(module: nn.Module, who: str) -> MultiHeadAttention:
+    """GPT-2: the fused ``Conv1D`` weights, no RoPE, the scale of ``module.scaling``."""
+    if module.training and module.resid_dropout.p > 0:
+        raise EinattnError(f"{who} is in training mode with resid_pdrop="
+                           f"{module.resid_dropout.p}, a dropout on its output that einattn's "
+                           f"layer does not apply: call module.eval() first, or set "
+                           f"resid_pdrop=0")
+    c_attn, c_proj = module.c_attn, module.c_proj
+    W, b, W_O, b_O = layouts.from_gpt2(
+        c_attn.weight.detach(), _detached(c_attn.bias), c_proj.weight.detach(),
+        _detached(c_proj.bias), n_heads=module.num_heads)
+    return MultiHeadAttention.from_fused(
+        W, W_O, b, b_O, causal=bool(module.is_causal), dropout=module.attn_dropout.p,
+        scale=_scale(module, module.head_dim))
+
+
+def _rotary(module: nn.Module, config, style: str, who: str) -> MultiHeadAttention:
+    """The Llama family: four ``nn.Linear`` projections, grouped heads, RoPE."""
+    a = module.head_dim
+    q, k, v, o = (getattr(module, f"{p}_proj") for p in "qkvo")
+    n_heads, n_kv_heads = q.weight.shape[0] // a, k.weight.shape[0] // a
+    heads = {"n_heads": n_heads, "n_kv_heads": n_kv_heads}
+    W, W_O = layouts.from_hf_llama(*(p.weight.detach() for p in (q, k, v, o)), **heads)
+    b = None
+    if any(p.bias is not None for p in (q, k, v)):  # Qwen2: q, k and v only
+        b_q, b_k, b_v = (p.weight.new_zeros(p.weight.shape[0]) if p.bias is None
+                         else p.bias.detach() for p in (q, k, v))
+        b = layouts.fuse_qkv(b_q, b_k, b_v, **heads)
+    options = _rope_options(config, style, a, who)
+    try:  # the layer checks the RoPE options: its message, with the model's name
+        return MultiHeadAttention.from_fused(
+            W, W_O, b, _detached(o.bias), n_kv_heads=n_kv_heads, causal=bool(module.is_causal),
+            dropout=module.attention_dropout, scale=_scale(module, a), **options)
+    except EinattnError as e:
+        raise EinattnError(f"{who}: {e}") from None
+
+
+def _rope_options(config, style: str, d_head: int, who: str) -> dict:
+    """``rope``, ``rope_base``, ``rope_scaling`` and ``rotary_dim`` from
+    ``config.rope_parameters``; "default" is no scaling, "dynamic" also takes the config's
+    ``max_position_embeddings`` (its L₀)."""
+    params = config.rope_parameters
+    kind = params.get("rope_type", "default")
+    if kind not in rotary.SCALING_KEYS:
+        raise EinattnError(f"{who} has rope_parameters with rope_type {kind!r}; einattn's "
+                           f"rope_scaling has {', '.join(map(repr, rotary.SCALING_KEYS))}")
+    # A key HF reads with .get() may be None, which it treats as absent (truncate: as False)
+    scaling = {key: value for key, value in params.items()
+               if key not in ("rope_theta", "partial_rotary_factor")
+               and (value is not None or key == "truncate")}
+    if kind == "yarn" and "factor" not in scaling:  # HF: the ratio of the two lengths
+        scaling["factor"] = (config.max_position_embeddings
+                             / scaling["original_max_position_embeddings"])
+    if kind == "dynamic":
+        scaling["max_position_embeddings"] = config.max_position_embeddings
+    fraction = params.get("partial_rotary_factor")
+    rotary_dim = None if fraction is None else int(d_head * fraction)
+    return {"rope": style, "rope_base": params["rope_theta"],
+            "rope_scaling": None if kind == "default" else scaling,
+            "rotary_dim": None if rotary_dim == d_head else rotary_dim}
+
+
+def _scale(module: nn.Module, d_head: int) -> float | None:
+    """``module.scaling`` where it is not the default ``1/√a`` (None: the default)."""
+    return None if module.scaling == d_head ** -0.5 else float(module.scaling)
+
+
+def _detached(t):
+    return None if t is None else t.detach()
