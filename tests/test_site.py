@@ -87,7 +87,10 @@ def test_api_page_shows_docstrings_with_examples_as_code(site):
 
 
 def test_api_page_documents_every_public_module():
-    modules = {p.stem for p in (ROOT / "einattn").glob("*.py") if not p.stem.startswith("_")}
+    package = ROOT / "einattn"
+    modules = {p.stem for p in package.glob("*.py")} | {p.parent.name
+                                                         for p in package.glob("*/__init__.py")}
+    modules = {name for name in modules if not name.startswith("_")}
     documented = re.findall(r"^::: einattn\.(\w+)$", (DOCS / "api.md").read_text(encoding="utf-8"),
                             flags=re.M)
     assert len(documented) == len(set(documented))
@@ -109,9 +112,9 @@ def test_doctest_examples_become_fenced_code():
 
 
 @pytest.mark.parametrize("repo_url, expected", [
-    ("", "see bench.py and [the layer](layer.md) and [gone](../no/such.py)."),
+    ("", "see report.py and [the layer](layer.md) and [gone](../no/such.py)."),
     ("https://example.org/einattn/",
-     "see [bench.py](https://example.org/einattn/blob/HEAD/einattn/bench.py#L1) and "
+     "see [report.py](https://example.org/einattn/blob/HEAD/einattn/bench/report.py#L1) and "
      "[the layer](layer.md) and [gone](../no/such.py)."),
 ])
 def test_links_to_the_code_leave_the_docs_folder(repo_url, expected):
@@ -119,7 +122,7 @@ def test_links_to_the_code_leave_the_docs_folder(repo_url, expected):
     config = {"docs_dir": str(DOCS), "config_file_path": str(ROOT / "mkdocs.yml"),
               "repo_url": repo_url}
     page_ = SimpleNamespace(file=SimpleNamespace(src_uri="performance.md"))
-    text = ("see [bench.py](../einattn/bench.py#L1) and [the layer](layer.md) and "
+    text = ("see [report.py](../einattn/bench/report.py#L1) and [the layer](layer.md) and "
             "[gone](../no/such.py).")
     assert hook(text, page_, config, None) == expected
     fenced = f"```md\n{text}\n```"

@@ -1,11 +1,11 @@
 """MkDocs hooks for the documentation site (mkdocs.yml names this file).
 
 The pages live in docs/ but sometimes point at the code, as in
-``[einattn/bench.py](../einattn/bench.py)``: a link that works on GitHub and in an editor,
-and that MkDocs' strict mode rejects because the target is not a page. Such a link becomes a
-link to the file in the repository when mkdocs.yml sets ``repo_url``, and its bare text
-otherwise. Links to files that do not exist are left alone, so strict mode still fails on
-them.
+``[einattn/bench/report.py](../einattn/bench/report.py)``: a link that works on GitHub and in
+an editor, and that MkDocs' strict mode rejects because the target is not a page. Such a
+link becomes a link to the file in the repository when mkdocs.yml sets ``repo_url``, and its
+bare text otherwise. Links to files that do not exist are left alone, so strict mode still
+fails on them.
 """
 
 from __future__ import annotations

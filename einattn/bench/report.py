@@ -1,0 +1,220 @@
+"""The report: what one run measured (:func:`run` makes it), as JSON and as text."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .compiled import CompileRow, compile_size
+from .forms import NAMES, PATHS, unavailable
+from .memory import MEMORY_METHOD, MemoryRow, measure_memory
+from .settings import CLOCK_NAMES, MEMORY, Settings, Size
+from .timing import Row, time_size
+from .verdicts import VERDICTS, targets
+
+
+@dataclass
+class Report:
+    """Every row a run timed, compiled and measured, with the forms it skipped and why."""
+
+    settings: Settings
+    rows: list[Row] = field(default_factory=list)
+    compiled: list[CompileRow] = field(default_factory=list)
+    memory: list[MemoryRow] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    threads: int = field(default_factory=torch.get_num_threads)
+    seconds: float = 0.0
+
+    def machine(self) -> dict:
+        return {"torch": torch.__version__, "einattn": _checkout(),
+                "python": platform.python_version(),
+                "platform": platform.platform(), "processor": platform.processor(),
+                "cpu_count": os.cpu_count(), "threads": self.threads,
+                "device": "cpu", "dtype": "float32"}
+
+    def as_json(self) -> dict:
+        s = self.settings
+        return {
+            "machine": self.machine(),
+            "settings": {"quick": s.quick, "rounds": s.rounds, "warmup": s.warmup,
+                         "clock": s.clock,
+                         "sample_s": s.sample_s, "sizes": [x.as_json() for x in s.sizes],
+                         "compile_sizes": [x.as_json() for x in s.compile_sizes],
+                         "memory_lengths": list(s.memory_lengths)},
+            "paths": {name: NAMES[name] for name in PATHS},
+            "skipped": self.skipped,
+            "timings": [r.as_json() for r in self.rows],
+            "compile": ({"rows": [c.as_json() for c in self.compiled]} if self.compiled
+                        else {"skipped": s.why_no_compile or "no compile sizes"}),
+            "memory": ({"method": MEMORY_METHOD, "rows": [m.as_json() for m in self.memory]}
+                       if self.memory else {"skipped": s.why_no_memory or "no lengths"}),
+            "targets": [t.as_json() for t in targets(self)],
+            "seconds": self.seconds,
+        }
+
+
+def _checkout() -> str:
+    """The einattn that ran: the version, and the commit when run from a git checkout
+    (with ``+dirty`` when files differ from it)."""
+    from .. import __version__
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--",
+                                "einattn"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = dirty = ""
+    if not commit:
+        return __version__
+    return f"{__version__} ({commit}{'+dirty' if dirty else ''})"
+
+
+def run(settings: Settings, progress: Callable[[str], None] | None = None) -> Report:
+    """Everything ``settings`` asks for, in this process (memory in subprocesses)."""
+    say = progress or (lambda text: None)
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads or threads)
+    report = Report(settings, skipped=unavailable())
+    try:
+        for size in settings.sizes:
+            say(f"timing {size.label}")
+            report.rows += time_size(size, settings, report.skipped)
+        for size in settings.compile_sizes:
+            say(f"compiling {size.label}")
+            report.compiled += compile_size(size, settings)
+        for L in settings.memory_lengths:
+            say(f"memory at L={L}")
+            report.memory.append(measure_memory(L, report.skipped))
+    finally:
+        torch.set_num_threads(threads)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+# -- the text -------------------------------------------------------------------------------
+
+def _duration(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale or unit == "µs":
+            value = seconds / scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    raise AssertionError  # unreachable
+
+
+def _times(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+def _percent(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def _count(k: int | None, noun: str) -> str:
+    return f"{k} {noun}{'' if k == 1 else 's'}"
+
+
+def _deviation_text(x: float) -> str:
+    return "0" if x == 0 else f"{x:.0e}"
+
+
+def _mib(b: int | None) -> str:
+    return "—" if b is None else f"{b / 2**20:,.0f} MiB"
+
+
+def _header(report: Report) -> list[str]:
+    """What ran where and how it was timed, then the forms skipped."""
+    s, m = report.settings, report.machine()
+    return [f"einattn bench{' --quick' if s.quick else ''}: einattn {m['einattn']}, "
+            f"torch {m['torch']}, CPU "
+            f"({_count(m['cpu_count'], 'core')}, {_count(m['threads'], 'thread')}), float32, "
+            f"bias-free, the same weights in every form",
+            f"median of {_count(s.rounds, 'interleaved round')} after "
+            f"{_count(s.warmup, 'warm-up call')}, {CLOCK_NAMES[s.clock]}; "
+            f"spread = IQR / median; forward under no_grad, forward+backward with dX and "
+            f"every weight's gradient",
+            *(f"skipped: {NAMES[name]}: {why}" for name, why in report.skipped.items())]
+
+
+def _timing_table(report: Report, size: Size, table, paint) -> list[str]:
+    """One size: every form in both modes, its median, spread, ratios and max |ΔY|."""
+    title = (f"{size.label}  n={size.n} τ=σ={size.L} i={size.d_model} "
+             f"μ={size.heads} a={size.d_head}" + (", causal" if size.causal else ""))
+    cells = [[r.mode, NAMES[name], _duration(t.median), _percent(t.spread),
+              _times(r.ratio(name, "textbook")), _times(r.ratio(name, "linear_sdpa")),
+              _deviation_text(r.deviation[name])]
+             for r in report.rows if r.size == size for name, t in r.timings.items()]
+    return ["", title, *table(["mode", "form", "median", "spread", "× textbook",
+                               "× Linear+SDPA", "max |ΔY|"], cells, paint,
+                              right=(2, 3, 4, 5, 6))]
+
+
+def _compile_table(report: Report, table, paint) -> list[str]:
+    """Eager against compiled, and compiled against compiled textbook, or why none ran."""
+    out = ["", "torch.compile (dynamic=False), eager and compiled timed in the same rounds"]
+    if not report.compiled:
+        return [*out, f"  skipped: {report.settings.why_no_compile}"]
+    cells = [[c.size.label, c.mode, NAMES[name], _duration(c.eager[name].median),
+              _duration(c.compiled[name].median), _times(c.speedup(name)),
+              _times(c.ratio(name)), f"{c.compile_s[name]:.0f} s"]
+             for c in report.compiled for name in c.compiled]
+    return [*out, *table(["size", "mode", "form", "eager", "compiled", "speed-up",
+                          "× compiled textbook", "first call"], cells, paint,
+                         right=(3, 4, 5, 6, 7))]
+
+
+def _memory_cells(report: Report, row: MemoryRow) -> list[list[str]]:
+    """One length: each form run, its peak growth and ratios, or "failed"."""
+    return [[str(row.L), NAMES[name], _mib(row.growth[name]),
+             _times(row.ratio(name, "textbook")), _times(row.ratio(name, "linear_sdpa"))]
+            if name in row.growth else [str(row.L), NAMES[name], "failed", "—", "—"]
+            for name in PATHS if name not in report.skipped]
+
+
+def _memory_table(report: Report, table, paint) -> list[str]:
+    """Peak growth per form and length, with the method and each failure, or why none ran."""
+    n, d_model, heads = MEMORY
+    out = ["", f"peak memory, forward+backward, n={n} d_model={d_model} heads={heads}"]
+    if not report.memory:
+        return [*out, f"  skipped: {report.settings.why_no_memory}"]
+    cells = [cell for row in report.memory for cell in _memory_cells(report, row)]
+    return [*out, f"method: {MEMORY_METHOD}",
+            *table(["L", "form", "peak growth", "× textbook", "× Linear+SDPA"], cells, paint,
+                   right=(2, 3, 4)),
+            *(f"  failed at L={row.L}: {NAMES[k]}: {e}"
+              for row in report.memory for k, e in row.errors.items())]
+
+
+def _targets_table(report: Report, table, paint) -> list[str]:
+    """Every target with its verdict, then the count of each verdict."""
+    found = targets(report)
+    cells = [[t.verdict, t.target, t.where, "—" if t.value is None else f"{t.value:.3f}×",
+              _percent(t.spread), t.note] for t in found]
+    counts = {v: sum(t.verdict == v for t in found) for v in VERDICTS}
+    return ["", "targets: ratios of medians (of peak memory for chunked) against their "
+                "limits; einattn bench --check exits 1 on a FAIL",
+            *table(["verdict", "target", "where", "measured", "spread", "note"], cells, paint,
+                   right=(3, 4)),
+            f"{len(found)} checks: " + ", ".join(f"{c} {v}" for v, c in counts.items() if c)]
+
+
+def lines(report: Report, table, paint) -> list[str]:
+    """The report as text; ``table`` and ``paint`` are einattn.cli's (aligned columns,
+    verdicts in colour on a terminal)."""
+    return [*_header(report),
+            *(line for size in report.settings.sizes
+              for line in _timing_table(report, size, table, paint)),
+            *_compile_table(report, table, paint),
+            *_memory_table(report, table, paint),
+            *_targets_table(report, table, paint),
+            f"ran in {report.seconds:.0f} s"]

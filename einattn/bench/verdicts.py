@@ -1,0 +1,100 @@
+"""Targets and their verdicts: a ratio of medians (or of peak memory) that a form should stay
+under, read from the rows a run produced and marked PASS, FAIL or SKIP (SKIP: no such row)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .settings import SIZES
+
+if TYPE_CHECKING:
+    from .report import Report
+    from .timing import Row, Timing
+
+VERDICTS = ("PASS", "FAIL", "SKIP")
+_TRAINING = "forward+backward"
+_LONG = f"L ≥ 1024 {_TRAINING}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target at one place: the measured ratio against its limit."""
+
+    target: str
+    where: str
+    value: float | None
+    limit: float
+    spread: float | None = None  # the larger relative IQR of the two medians compared
+    note: str = ""
+
+    @property
+    def verdict(self) -> str:
+        """PASS when ``value ≤ limit``, FAIL when over it, SKIP when nothing was measured."""
+        if self.value is None:
+            return "SKIP"
+        return "PASS" if self.value <= self.limit else "FAIL"
+
+    def as_json(self) -> dict:
+        return {"target": self.target, "where": self.where, "value": self.value,
+                "limit": self.limit, "spread": self.spread, "verdict": self.verdict,
+                "note": self.note}
+
+
+def _spread(*timings: Timing | None) -> float | None:
+    return None if None in timings else max(t.spread for t in timings)
+
+
+def _against(report: Report, label: str, path: str, base: str, limit: float, rows: list[Row],
+             empty: str) -> list[Target]:
+    """``path``'s median over ``base``'s at each of ``rows``, against ``limit``; one SKIP at
+    ``empty`` when there is no such row."""
+    found = []
+    for r in rows:
+        note = report.skipped.get(path, "") if path not in r.timings else ""
+        found.append(Target(label, f"{r.size.label} {r.mode}", r.ratio(path, base), limit,
+                            _spread(r.timings.get(path), r.timings.get(base)), note))
+    return found or [Target(label, empty, None, limit, note="no such size was run")]
+
+
+def _compiled(report: Report) -> list[Target]:
+    """Compiled einsum's median over compiled textbook's at each compile row."""
+    label = "compiled einsum ≤ 1.05× compiled textbook"
+    found = [Target(label, f"{c.size.label} {c.mode}", c.ratio("einsum"), 1.05,
+                    _spread(c.compiled["einsum"], c.compiled["textbook"]))
+             for c in report.compiled]
+    return found or [Target(label, "mid sizes", None, 1.05,
+                            note=report.settings.why_no_compile)]
+
+
+def _memory(report: Report) -> Target:
+    """Chunked's peak growth over Linear+SDPA's at L=8192."""
+    label, where = "chunked peak memory ≤ 2× Linear+SDPA's", f"L=8192 {_TRAINING}"
+    row = next((m for m in report.memory if m.L == 8192), None)
+    if row is None:
+        note = report.settings.why_no_memory or "L=8192 was not run"
+        return Target(label, where, None, 2.0, note=note)
+    note = report.skipped.get("chunked", row.errors.get("chunked", ""))
+    return Target(label, where, row.ratio("chunked", "linear_sdpa"), 2.0, note=note)
+
+
+def targets(report: Report) -> list[Target]:
+    """The targets, read from the non-causal rows run (causal rows are informational)."""
+    plain = [r for r in report.rows if not r.size.causal]
+    training = [r for r in plain if r.mode == _TRAINING]
+    long = [r for r in training if r.size.L >= 1024]
+    mid, tiny = SIZES[0], SIZES[3]
+    return [
+        *_against(report, "einsum ≤ 1.0× textbook", "einsum", "textbook", 1.0,
+                  [r for r in training if r.size == mid], f"{mid.label} {_TRAINING}"),
+        *_against(report, "einsum ≤ 0.85× textbook", "einsum", "textbook", 0.85, long, _LONG),
+        *_against(report, "einsum ≤ 1.3× textbook", "einsum", "textbook", 1.3,
+                  [r for r in training if r.size == tiny], f"{tiny.label} {_TRAINING}"),
+        *_compiled(report),
+        *_against(report, "sdpa ≤ 1.0× Linear+SDPA", "sdpa", "linear_sdpa", 1.0, plain,
+                  "every size"),
+        *_against(report, "sdpa ≤ 1.0× nn.MultiheadAttention", "sdpa", "torch_mha", 1.0, plain,
+                  "every size"),
+        _memory(report),
+        *_against(report, "chunked ≤ 1.3× textbook", "chunked", "textbook", 1.3, long, _LONG),
+    ]
