@@ -103,18 +103,9 @@ def _project(x: torch.Tensor, W4: torch.Tensor, b3: torch.Tensor | None,
 
 
 def _slots(P: torch.Tensor, *counts: int) -> tuple[torch.Tensor, ...]:
-    """Split ``P[n τ g C a]`` along C into parts of ``counts`` slots, each as ``[n (g r) τ a]``.
-
-    P lies as the matmul wrote it, so a part is a view (except grouped Q, whose ``(g r)`` is
-    not contiguous in P: ``flatten`` copies it), and backward writes the parts' gradients
-    into one tensor in that same order (indexing ``P[:, :, :, k]`` per slot would zero-fill a
-    full-size gradient for each and sum them). Where every part is one slot (no grouping)
-    an ``unbind`` splits: along C and a transpose each where P needs a gradient, as its
-    backward stacks the gradients straight into P's order; otherwise after one permute to
-    ``[C n g τ a]``, two calls in all (each call costs ~1.4 µs at small sizes), where
-    backward would stack them C-first and copy them back.
-    """
-    if max(counts) == 1:
+    """Split ``P[n τ g C a]`` along C into parts of ``counts`` slots, each as ``[n (g r) τ a]``:
+    views of P, except grouped Q, whose ``(g r)`` is not contiguous in P (``flatten`` copies)."""
+    if max(counts) == 1:  # why two ways: docs/performance.md, "How the fast paths are fast"
         if not P.requires_grad:
             return P.permute(*_SLOTS_FIRST).unbind(0)
         return tuple([part.transpose(1, 2) for part in P.unbind(3)])
@@ -322,8 +313,10 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
         raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
                            f"Y[n τ i] must have the model width of X[n τ i]")
+    # _attend's arguments after the keys', by position (why: docs/performance.md, "How the
+    # fast paths are fast")
     how = (W_O, b_O, n_heads, mask, causal, dropout, need_weights, return_intermediates, impl,
-           block_size)  # _attend's arguments after the keys', by position (~0.5 µs a call)
+           block_size)
     if cache is None:
         out = _attend(Q_scaled, K, V, key_padding_mask, *how)
     else:
@@ -379,7 +372,7 @@ def _nonfinite(Z: torch.Tensor) -> bool:
     branch: on the CPU, eagerly, outside the ``torch.func`` transforms."""
     if Z.device.type != "cpu" or torch.compiler.is_compiling() or _softmax.transformed(Z):
         return False
-    return not math.isfinite(Z.sum().item())  # .item(): cheaper than bool(tensor)
+    return not math.isfinite(Z.sum().item())
 
 
 def _masked_nonfinite_dropped(run, Q, K, V, M, causal: bool, stages: dict) -> dict:

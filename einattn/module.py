@@ -124,7 +124,8 @@ class MultiHeadAttention(nn.Module):
         ``layer(next_token, cache=c)`` equals one causal forward over the whole sequence;
         ``key_padding_mask`` then marks the new keys.
         """
-        w = self._attention_weights()  # named keywords, not **w: a splat costs ~0.6 µs a call
+        # w's entries go by name, not as **w: docs/performance.md, "How the fast paths are fast"
+        w = self._attention_weights()
         self._check_input("x", x, w["W"])
         if context is not None:
             self._check_input("context", context, w["W"])
@@ -142,12 +143,11 @@ class MultiHeadAttention(nn.Module):
         """What forward hands :func:`einattn.functional.multi_head_attention`: parameters
         and head counts (:mod:`einattn.parallel` substitutes one rank's shards).
 
-        A parameter is taken from ``_parameters``, where ``nn.Module`` keeps it and where
-        ``torch.func.functional_call`` swaps it: reading it as an attribute goes through
-        ``nn.Module.__getattr__``, about 0.6 µs a read, a tenth of the layer's own time at
-        small sizes. A weight that is not kept there is read as its attribute: a
-        parametrized one (``torch.nn.utils.parametrize``, ``weight_norm``), a pruned one,
-        FSDP's views, ``nn.DataParallel``'s replicas. So ``_parameters.get`` would not do."""
+        A parameter is read from ``_parameters``, where ``nn.Module`` keeps it and
+        ``torch.func.functional_call`` swaps it (why not as an attribute: docs/performance.md,
+        "How the fast paths are fast"); a weight that is not kept there is read as its
+        attribute: a parametrized one (``torch.nn.utils.parametrize``, ``weight_norm``), a
+        pruned one, FSDP's views, ``nn.DataParallel``'s replicas."""
         p = self._parameters
         W, W_O, b, b_O = [p[name] if name in p else getattr(self, name)
                           for name in ("W", "W_O", "b", "b_O")]
