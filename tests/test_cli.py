@@ -427,7 +427,8 @@ def test_latex_json(capsys):
 
 
 def test_a_subcommand_is_one_registered_function(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+    # where command() and main() look the registry up: einattn.cli.commands
+    monkeypatch.setattr(cli.commands, "COMMANDS", dict(cli.COMMANDS))
 
     @cli.command("hello", "say hello", cli.size_options)
     def hello(args, paint):

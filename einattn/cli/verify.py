@@ -1,0 +1,170 @@
+"""``einattn verify``: every step of :mod:`einattn.derivation` checked by
+:func:`einattn.verify.check_equivalent`, and the order opt_einsum contracts the scores in."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from .. import derivation, verify
+from ..notation import Equation, Explanation
+from .options import VERIFY_TENSORS, Command, checked_sizes, exact_option, size_options
+from .output import VERDICTS, Output, Paint, letters_text, sizes_text, table
+from .trace import letter_mapping, renamed
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One derivation step checked (or skipped: ``equal`` is None)."""
+
+    name: str
+    mode: str
+    max_deviation: float | None = None
+    tolerance: float | None = None
+    equal: bool | None = None
+    false_acceptance: float | None = None
+    where: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return "SKIP" if self.equal is None else "PASS" if self.equal else "FAIL"
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "mode": self.mode,
+                "max_deviation": _finite(self.max_deviation), "tolerance": self.tolerance,
+                "equal": self.equal, "false_acceptance": self.false_acceptance,
+                "where": self.where, "verdict": self.verdict}
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no inf or NaN: a deviation that is not finite becomes null."""
+    return x if x is None or math.isfinite(x) else None
+
+
+def check_step(step: derivation.Step, *, exact_only: bool = False) -> StepResult:
+    """Check ``step`` in its registered mode; with ``exact_only``, skip a float-only step."""
+    mode = "exact" if step.exact else "float"
+    if exact_only and not step.exact:
+        return StepResult(step.name, mode, where="skipped: not multilinear, float mode only")
+    try:
+        r = verify.check_equivalent(step.lhs, step.rhs, step.sizes, exact=step.exact,
+                                    inputs=step.inputs, draws=step.draws)
+    except AssertionError as mismatch:  # the two sides have different shapes
+        return StepResult(step.name, mode, math.inf, 0.0, False, where=str(mismatch))
+    return StepResult(step.name, r.mode, r.max_deviation, r.tolerance, r.equal,
+                      r.false_acceptance, r.where)
+
+
+def _number(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return "0" if x == 0 else f"{x:.1e}"
+
+
+def step_lines(results: list[StepResult], paint: Paint) -> list[str]:
+    rows = [[r.verdict, r.mode, _number(r.max_deviation), _number(r.tolerance),
+             "—" if r.false_acceptance is None else f"≤ {r.false_acceptance:.1e}", r.name]
+            for r in results]
+    header = ["verdict", "mode", "max |lhs − rhs|", "tolerance", "false acceptance", "step"]
+    count = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+    summary = f"{len(results)} steps: " + ", ".join(
+        paint(f"{k} {verdict}", verdict) for verdict, k in count.items() if k)
+    return [*table(header, rows, paint, right=(2, 3)), summary]
+
+
+# -- the contraction order ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Contraction:
+    """The order opt_einsum picks for a contraction of three or more operands: its plan
+    (the einsum, path, FLOPs and largest intermediate), each pairwise step in index names."""
+
+    step: str
+    plan: Explanation
+    letters: dict[str, str]  # the einsum's letters that differ from their index
+    order: list[tuple[str, str]]  # (the pairwise step in index names, its einsum)
+
+    @property
+    def naive_flops(self) -> int:
+        return int(self.plan.info.naive_cost)
+
+    def as_json(self) -> dict:
+        p = self.plan
+        return {"step": self.step, "equation": p.equation, "einsum": p.einsum,
+                "letters": self.letters, "path": [list(k) for k in p.path],
+                "order": [{"contraction": c, "einsum": e} for c, e in self.order],
+                "flops": p.flops, "naive_flops": self.naive_flops,
+                "largest_intermediate": p.largest_intermediate}
+
+
+def contraction(step_name: str, equation: Equation, sizes: dict[str, int]) -> Contraction:
+    """``equation.explain(...)`` at ``sizes``, each pairwise step spelled in index names
+    (intermediates T1, T2, ...)."""
+    plan = equation.explain(**{t.name: tuple(sizes[i] for i in t.indices)
+                               for t in equation.terms})
+    mapping = letter_mapping(equation, plan.einsum)
+    index_of = {letter: index for index, letter in mapping.items()}
+    operands = [t.name for t in equation.terms]
+    steps = plan.info.contraction_list
+    order = []
+    for k, (positions, _, einsum, *_) in enumerate(steps, 1):
+        inputs, out = einsum.split("->")
+        names = [operands.pop(p) for p in positions]  # the order the einsum lists them in
+        result = equation.output if k == len(steps) else f"T{k}"
+        operands.append(result)
+        terms = [f"{name}[{' '.join(index_of[c] for c in ix)}]"
+                 for name, ix in zip([result, *names], [out, *inputs.split(",")], strict=True)]
+        order.append((f"{terms[0]} = {' '.join(terms[1:])}", einsum))
+    return Contraction(step_name, plan, renamed(mapping), order)
+
+
+def contractions(steps: list[derivation.Step]) -> list[Contraction]:
+    """Every side of a step that is an equation of three or more operands."""
+    found = []
+    for step in steps:
+        for side in (step.lhs, step.rhs):
+            equation = Equation(side) if isinstance(side, str) else side
+            if isinstance(equation, Equation) and len(equation.terms) > 2:
+                found.append(contraction(step.name, equation, step.sizes))
+    return found
+
+
+def contraction_lines(c: Contraction, paint: Paint) -> list[str]:
+    p = c.plan
+    rows = [[str(k), text, einsum] for k, (text, einsum) in enumerate(c.order, 1)]
+    return [f"contraction order of '{c.step}':",
+            f"  {p.equation}",
+            f"  einsum {p.einsum}   ({letters_text(c.letters)}), opt_einsum path {p.path}",
+            *("  " + line for line in table(["#", "pairwise contraction", "einsum"], rows, paint)),
+            f"  {p.flops:,} FLOPs in this order, {c.naive_flops:,} naive "
+            f"({c.naive_flops / p.flops:.0f}× fewer); largest intermediate "
+            f"{p.largest_intermediate:,} elements"]
+
+
+# -- the subcommand -------------------------------------------------------------------------
+
+def verify_output(sizes: dict[str, int], *, exact_only: bool, paint: Paint) -> Output:
+    steps = derivation.steps(sizes)
+    results = [check_step(step, exact_only=exact_only) for step in steps]
+    orders = contractions(steps)
+    failed = any(r.verdict == "FAIL" for r in results)
+    mode = ("exact mode only (integer inputs; float-only steps skipped)" if exact_only else
+            "exact steps with integer inputs, the others in float64")
+    head = f"derivation steps at {sizes_text(sizes)}: {mode}"
+    lines = [head, "", *step_lines(results, paint)]
+    for c in orders:
+        lines += ["", *contraction_lines(c, paint)]
+    document = {"sizes": sizes, "exact_only": exact_only,
+                "steps": [r.as_json() for r in results],
+                "contractions": [c.as_json() for c in orders], "passed": not failed}
+    return Output(document, lines, 1 if failed else 0)
+
+
+def verify_command(args: argparse.Namespace, paint: Paint) -> Output:
+    return verify_output(checked_sizes(args, "verify", VERIFY_TENSORS), exact_only=args.exact,
+                         paint=paint)
+
+
+COMMAND = Command(verify_command, "check every derivation step (exit 1 if one fails) and "
+                  "show the scores' contraction order", (size_options, exact_option))
