@@ -31,6 +31,11 @@ def _layer(**options) -> MultiHeadAttention:
     return MultiHeadAttention(D, H, dtype=F64, **options)
 
 
+def _scaled(rope_type: str, **keys):
+    """A layer with rope="half" and this rope_scaling, made when the case runs."""
+    return lambda: _layer(rope="half", rope_scaling={"rope_type": rope_type, **keys})
+
+
 def _x(*shape: int, dtype: torch.dtype = F64) -> torch.Tensor:
     return torch.ones(*shape or (N, L_Q, D), dtype=dtype)
 
@@ -283,33 +288,27 @@ BAD = {
        for v in (0, 3, 8, 2.0)},
     "rope_scaling-not-dict": (lambda: _layer(rope="half", rope_scaling="linear"),
                               r"rope_scaling must be a dict such as .* got str"),
-    "rope_scaling-type": (lambda: _layer(rope="half", rope_scaling={"rope_type": "longrope"}),
+    "rope_scaling-type": (_scaled("longrope"),
                           r"rope_scaling's rope_type must be one of 'default', 'linear', "
                           r"'dynamic', 'llama3', 'yarn', got 'longrope'"),
-    "rope_scaling-missing": (lambda: _layer(rope="half", rope_scaling={"rope_type": "llama3",
-                                                                        "factor": 8.0}),
+    "rope_scaling-missing": (_scaled("llama3", factor=8.0),
                              r"rope_scaling of rope_type 'llama3' needs \['factor', "
                              r"'high_freq_factor', 'low_freq_factor', "
                              r"'original_max_position_embeddings'\], got \['factor'\]"),
-    "rope_scaling-unknown-key": (lambda: _layer(rope="half", rope_scaling={
-                                     "rope_type": "linear", "factor": 2.0, "beta_fast": 3}),
+    "rope_scaling-unknown-key": (_scaled("linear", factor=2.0, beta_fast=3),
                                  r"rope_scaling of rope_type 'linear' needs \['factor'\], got "
                                  r"\['beta_fast', 'factor'\]"),
-    "rope_scaling-factor": (lambda: _layer(rope="half", rope_scaling={"rope_type": "linear",
-                                                                       "factor": -2.0}),
+    "rope_scaling-factor": (_scaled("linear", factor=-2.0),
                             r"rope_scaling's factor must be a finite positive number, got -2.0"),
-    "rope_scaling-llama3-ramp": (lambda: _layer(rope="half", rope_scaling={
-                                     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4,
-                                     "high_freq_factor": 1,
-                                     "original_max_position_embeddings": 64}),
+    "rope_scaling-llama3-ramp": (_scaled("llama3", factor=8.0, low_freq_factor=4,
+                                         high_freq_factor=1,
+                                         original_max_position_embeddings=64),
                                  r"rope_scaling 'llama3' ramps between low_freq_factor and a "
                                  r"larger high_freq_factor, got 4 and 1"),
-    "rope_scaling-theta": (lambda: _layer(rope="half", rope_scaling={
-                               "rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}),
+    "rope_scaling-theta": (_scaled("linear", factor=2.0, rope_theta=500000.0),
                            r"rope_scaling has rope_theta=500000.0 but rope_base=10000.0; pass "
                            r"rope_base=500000.0"),
-    "rope_scaling-partial": (lambda: _layer(rope="half", rope_scaling={
-                                 "rope_type": "default", "partial_rotary_factor": 0.5}),
+    "rope_scaling-partial": (_scaled("default", partial_rotary_factor=0.5),
                              r"rope_scaling has partial_rotary_factor=0.5, 3 of d_head = 6 "
                              r"channels, but rotary_dim=6; pass rotary_dim=3"),
     "rope_scaling-dynamic-2": (lambda: _layer(rope="half", rotary_dim=2, rope_scaling={
