@@ -85,7 +85,7 @@ class KVCache:
                                              or key_padding_mask.shape != (n, L)):
             raise EinattnError(
                 f"with a cache, key_padding_mask marks this call's new keys: a bool (n, σ) = "
-                f"({n}, {L}) tensor, got {key_padding_mask.dtype} "
+                f"({n}, {L}) tensor, True = padding, got {key_padding_mask.dtype} "
                 f"{tuple(key_padding_mask.shape)}")
         if self.K is not None:
             for index, axis in (("n", 0), ("g", 1), ("a", 3)):

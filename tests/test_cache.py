@@ -154,10 +154,11 @@ ERRORS = {  # each call continues a cache that holds 3 float64 tokens of batch 2
     "padding shape": (lambda layer, c: layer(_ones(2), cache=c,
                                              key_padding_mask=torch.zeros(N, 5).bool()),
                       r"with a cache, key_padding_mask marks this call's new keys: a bool "
-                      r"\(n, σ\) = \(2, 2\) tensor, got torch.bool \(2, 5\)"),
+                      r"\(n, σ\) = \(2, 2\) tensor, True = padding, got torch.bool \(2, 5\)"),
     "padding float": (lambda layer, c: layer(_ones(2), cache=c,
                                              key_padding_mask=torch.zeros(N, 2)),
-                      r"a bool \(n, σ\) = \(2, 2\) tensor, got torch.float32 \(2, 2\)"),
+                      r"a bool \(n, σ\) = \(2, 2\) tensor, True = padding, got torch.float32 "
+                      r"\(2, 2\)"),
 }
 
 
