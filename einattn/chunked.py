@@ -88,7 +88,7 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     if mask is not None:
         mask = _masks.as_nmts(mask, name="mask", n=n, n_heads=n_heads, L_q=L_q,
                               L_k=K.shape[2], dtype=Q.dtype, device=Q.device)
-    if _softmax.transformed(Q, K, V, mask):  # no vmap or jvp rule for the Function below
+    if _softmax.transformed():  # no vmap or jvp rule for the Function below
         return _dense(Q, K, V, mask, bool(causal))
     with torch.autocast(Q.device.type, enabled=False):
         return _Attention.apply(Q, K, V, mask, bool(causal), block_size)

@@ -348,16 +348,15 @@ def _attend(Q, K, V, key_padding_mask, W_O, b_O, n_heads: int, mask, causal: boo
                            dtype=Q.dtype, device=Q.device, mask=mask,
                            key_padding_mask=key_padding_mask)
     seen = need_weights or return_intermediates
-    if seen or (impl == "einsum" and not torch.compiler.is_compiling()):
+    if seen:
+        impl = "einsum"  # only the einsum path has A and S
+    elif impl == "einsum" and torch.compiler.is_compiling():
+        impl = "sdpa"  # under torch.compile: SDPA, which Inductor fuses
+    stages = _stages(impl, Q, K, V, M, causal, dropout, block_size, seen)
+    if (M is not None or causal) and _paths.nonfinite(stages["Z"]):
         def run(K, V):
-            return _einsum_stages(Q, K, V, M, causal, dropout, scratch=not seen)
-    else:
-        def run(K, V):
-            how = "sdpa" if impl == "einsum" else impl
-            return {"Z": _paths.weighted_values(how, Q, K, V, M, causal, dropout, block_size)}
-    stages = run(K, V)
-    if (M is not None or causal) and _nonfinite(stages["Z"]):
-        stages = _masked_nonfinite_dropped(run, Q, K, V, M, causal, stages)
+            return _stages(impl, Q, K, V, M, causal, dropout, block_size, seen)
+        stages = _paths.masked_nonfinite_dropped(run, Q, K, V, M, causal, stages)
     if not seen:
         return combine_heads(stages["Z"], W_O, b_O)
     Y = combine_heads(stages["Z"], W_O, b_O)
@@ -367,33 +366,12 @@ def _attend(Q, K, V, key_padding_mask, W_O, b_O, n_heads: int, mask, causal: boo
     return (Y, stages["A"]) if need_weights else Y
 
 
-def _nonfinite(Z: torch.Tensor) -> bool:
-    """Whether ``Z`` holds NaN or ±∞, checked where that costs no device sync and can
-    branch: on the CPU, eagerly, outside the ``torch.func`` transforms."""
-    if Z.device.type != "cpu" or torch.compiler.is_compiling() or _softmax.transformed(Z):
-        return False
-    return not math.isfinite(Z.sum().item())
-
-
-def _masked_nonfinite_dropped(run, Q, K, V, M, causal: bool, stages: dict) -> dict:
-    """The stages again with every key whose K or V is not finite set to zero, then NaN in
-    the rows that may attend to one of those keys: a NaN or ±∞ behind the mask of a query
-    (padding, the causal future, a bool mask) reaches no output of that query, where
-    ``0 · NaN`` in equation (4) would have spread it."""
-    bad = ~(torch.isfinite(K).all(-1) & torch.isfinite(V).all(-1))  # bad[n g σ]
-    if not bad.any():
-        return stages  # Q or an admissible input was not finite: it propagates
-    stages = run(*(T.masked_fill(bad[..., None], 0.0) for T in (K, V)))
-    n, n_heads, L_q, L_k = Q.shape[0], Q.shape[1], Q.shape[2], K.shape[2]
-    allowed = torch.ones(L_q, L_k, dtype=torch.bool, device=Q.device)
-    if causal:
-        allowed = _masks.causal_mask(L_q, L_k, device=Q.device)
-    if M is not None:
-        allowed = allowed & (M if M.dtype == torch.bool else M != float("-inf"))
-    bad = bad.repeat_interleave(n_heads // K.shape[1], dim=1)[:, :, None, :]  # [n μ 1 σ]
-    poisoned = (allowed & bad).any(-1, keepdim=True).expand(n, n_heads, L_q, 1)
-    return {k: v.masked_fill(poisoned, float("nan")) if k in ("A", "Z") else v
-            for k, v in stages.items()}
+def _stages(impl: str, Q, K, V, M, causal: bool, dropout: float, block_size: int,
+            seen: bool) -> dict[str, torch.Tensor]:
+    """Equations (2)–(4) by ``impl``: every stage on the einsum path, Z alone elsewhere."""
+    if impl == "einsum":
+        return _einsum_stages(Q, K, V, M, causal, dropout, scratch=not seen)
+    return {"Z": _paths.weighted_values(impl, Q, K, V, M, causal, dropout, block_size)}
 
 
 def _check_cache(cache, context) -> None:
