@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 # The suite runs thousands of operations on tiny tensors, where intra-op threads cost more
@@ -50,3 +56,15 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float
     scale = max(1.0, e.abs().max().item())
     err = (a - e).abs().max().item()
     assert err <= tol * scale, f"max error {err:.3g} > {tol:g} · scale {scale:.3g}"
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory) -> Path:
+    """The documentation site, built once per session by ``mkdocs build --strict``."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner about its future
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                            str(out)], cwd=Path(__file__).resolve().parents[1], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    return out

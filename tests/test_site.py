@@ -6,11 +6,7 @@ code. Built once per run, offline, into a temporary folder."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
-from html import unescape
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,17 +39,6 @@ def test_nav_lists_every_page_once():
     assert set(pages) == {p.name for p in DOCS.glob("*.md")}
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner about its future
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=300)
-    assert build.returncode == 0, build.stderr
-    return out
-
-
 def page(site: Path, name: str) -> str:
     return (site / name / "index.html").read_text(encoding="utf-8")
 
@@ -65,16 +50,27 @@ def test_strict_build_writes_every_page(site):
     assert (site / "img" / "tiny_lm_attention.png").exists()
 
 
-def test_display_equations_reach_katex_with_their_numbers(site):
+def test_math_is_mathml_at_build_time_with_the_equation_numbers(site):
+    """No script renders the math when the page is read (nor fetches one): the built page
+    holds MathML, each display with its number, and no LaTeX delimiter is left."""
     html = page(site, "derivation")
-    blocks = [unescape(b) for b in re.findall(r'<div class="arithmatex">(.*?)</div>', html,
-                                                 flags=re.S)]
-    tags = [t for b in blocks for t in re.findall(r"\\tag\{([^}]*)\}", b)]
+    tags = re.findall(r'<span class="math-tag">\(([^)]*)\)</span>', html)
     assert tags[:5] == ["1", "2", "3", "4", "5"]
-    assert all(b.strip().startswith(r"\[") and b.strip().endswith(r"\]") for b in blocks)
-    assert r'<span class="arithmatex">\(d_a\)</span>' in html  # inline math too
-    assert "$$" not in re.sub(r"<pre.*?</pre>", "", html, flags=re.S)
-    assert "javascripts/katex.js" in html and "katex.min.js" in html
+    assert html.count('<div class="math-display"><math') == 20
+    assert '<math alttext="d_a" xmlns' in html  # inline math too, its LaTeX kept as alttext
+    text = re.sub(r"<pre.*?</pre>|<code.*?</code>|alttext=\"[^\"]*\"", "", html, flags=re.S)
+    assert "$$" not in text and r"\(" not in text and r"\[" not in text
+    assert "katex" not in html.lower() and "cdn." not in html
+
+
+@pytest.mark.parametrize("latex, why", [(r"x^", "MissingSuperScriptOrSubscriptError"),
+                                         (r"\sqrt", "NoAvailableTokensError"),
+                                         (r"a \foo b", r"unknown command \\foo")])
+def test_a_formula_latex2mathml_cannot_convert_fails_the_build(latex, why):
+    hook = load(ROOT / "tools" / "mkdocs_math.py")
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="derivation.md"))
+    with pytest.raises(ValueError, match=rf"derivation.md: cannot render .*: {why}"):
+        hook.on_page_content(f'<span class="arithmatex">\\({latex}\\)</span>', page, {}, None)
 
 
 def test_api_page_shows_docstrings_with_examples_as_code(site):
