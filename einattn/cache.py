@@ -30,6 +30,7 @@ class KVCache:
         self.K: torch.Tensor | None = None
         self.V: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None  # (n, σ), True = padding, or None
+        self.document_ids: torch.Tensor | None = None  # d[n σ], packed documents, or None
 
     def __len__(self) -> int:
         """The number of cached positions σ."""
@@ -42,22 +43,26 @@ class KVCache:
     @contextmanager
     def undo_on_error(self) -> Iterator[None]:
         """Put the cache back as it was if the block raises: a call that fails adds nothing."""
-        saved = self.K, self.V, self.padding
+        saved = self.K, self.V, self.padding, self.document_ids
         try:
             yield
         except BaseException:
-            self.K, self.V, self.padding = saved
+            self.K, self.V, self.padding, self.document_ids = saved
             raise
 
     def reset(self) -> None:
         """Forget every cached token (a new sequence)."""
-        self.K = self.V = self.padding = None
+        self.K = self.V = self.padding = self.document_ids = None
 
     def append(self, K: torch.Tensor, V: torch.Tensor,
-               key_padding_mask: torch.Tensor | None = None):
+               key_padding_mask: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None):
         """Append this call's ``K[n g σ a]``, ``V[n g σ a]`` and its key padding ``(n, σ)``
-        (True = padding); return everything cached: ``(K, V, padding over all σ)``."""
+        (True = padding); return everything cached: ``(K, V, padding over all σ)``. The
+        documents of packed sequences, ``d[n σ]``, are kept as :attr:`document_ids`: a
+        cache that has them needs them on every call."""
         self._check(K, V, key_padding_mask)
+        self._append_ids(document_ids, K)
         before = len(self)
         if self.K is None:
             self.K, self.V = K, V
@@ -69,6 +74,20 @@ class KVCache:
             new = _no_padding(n, L, K) if key_padding_mask is None else key_padding_mask
             self.padding = torch.cat([old, new], dim=1)
         return self.K, self.V, self.padding
+
+    def _append_ids(self, ids: torch.Tensor | None, K: torch.Tensor) -> None:
+        if (ids is None) != (self.document_ids is None) and len(self):
+            raise EinattnError("document_ids must be given on every call with this cache or on "
+                               "none: the cache holds one document id d[n σ] per cached key")
+        if ids is None:
+            return
+        n, L = K.shape[0], K.shape[2]
+        if not isinstance(ids, torch.Tensor) or ids.shape != (n, L):
+            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise EinattnError(f"with a cache, document_ids marks this call's new keys: shape "
+                               f"(n, σ) = ({n}, {L}), got {shape}")
+        self.document_ids = ids if self.document_ids is None \
+            else torch.cat([self.document_ids, ids], dim=1)
 
     def _check(self, K: torch.Tensor, V: torch.Tensor,
                key_padding_mask: torch.Tensor | None) -> None:

@@ -3,13 +3,17 @@
 Queries are cut into blocks ``τ ∈ t`` and keys into blocks ``σ ∈ b``, both of
 ``block_size``. For each tile ``(t, b)``, in order, with ``μ = (g r)``::
 
-    S[n (g r) τ σ] = Q_t[n (g r) τ a] K_b[n g σ a] / √a     (+ M, causal from indices)
+    S[n (g r) τ σ] = Q_t[n (g r) τ a] K_b[n g σ a] / √a     (then cap(S) + B + M)
     m'[n μ τ]      = max(m[n μ τ], max_σ S[n μ τ σ])
     P[n μ τ σ]     = exp(S[n μ τ σ] − m'[n μ τ])
     l[n μ τ]       ← exp(m − m') l + Σ_σ P[n μ τ σ]
     O[n (g r) τ a] ← exp(m − m') O + P[n (g r) τ σ] V_b[n g σ a]
 
 and at the end ``Z = O / l`` and ``lse = m + log l``, the log of the softmax denominator.
+The pattern of equation (3) (:mod:`einattn.patterns`) is evaluated per tile from the
+indices: a tile it leaves empty is never visited, one it leaves fully visible gets no mask
+work, and a sink ``s_μ`` starts each row at ``m = s_μ``, ``l = 1`` (one more key whose
+value is zero).
 Ordinary multi-head attention is ``g = μ``, ``r = 1``; with grouped-query attention each
 key/value group serves its ``r`` query heads where it lies, never repeated. Only
 ``Q, K, V, Z, lse`` (and the mask) are saved; the backward pass recomputes each tile's
@@ -33,11 +37,14 @@ again: correct, at O(L_q·L_k) memory.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import _autocast, _softmax
 from . import functional as _functional  # not `from .functional import`: paths imports us
 from . import masks as _masks
+from . import patterns as _patterns
 from .errors import EinattnError
 from .notation import Equation
 
@@ -53,7 +60,7 @@ _INF = float("inf")
 
 def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
               mask: torch.Tensor | None = None, causal: bool = False,
-              block_size: int = 256) -> torch.Tensor:
+              block_size: int = 256, pattern: _patterns.Pattern | None = None) -> torch.Tensor:
     """``Z[n μ τ a] = softmax_σ(Q[n μ τ a] K[n μ σ a] / √a + M[n μ τ σ]) V[n μ σ a]``,
     exactly, over tiles of ``block_size`` queries × ``block_size`` keys with O(L) memory.
 
@@ -62,7 +69,9 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     ``mask``: bool (True = may attend) or float (added to the scores), broadcastable to
     ``(n, μ, τ, σ)`` as in :func:`einattn.masks.as_nmts`; a float mask gets a gradient.
     ``causal=True`` lets query τ see key σ iff ``σ ≤ τ + L_k − L_q`` (bottom-right),
-    computed per tile from the indices. ``V`` may have its own size of ``a``.
+    computed per tile from the indices; a ``pattern`` (:func:`einattn.patterns.build`,
+    causal included) brings the other terms of equation (3) instead.
+    ``V`` may have its own size of ``a``.
 
     >>> Q, K, V = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4)
     >>> Z = attention(Q, K, V, causal=True, block_size=3)
@@ -72,26 +81,19 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     True
     """
     check_block_size(block_size)
-    for name, t, indices in (("Q", Q, "n μ τ a"), ("K", K, "n g σ a"), ("V", V, "n g σ a")):
-        if not isinstance(t, torch.Tensor) or t.ndim != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise EinattnError(f"{name} must be 4-D {name}[{indices}], got {shape}")
-    if not torch.compiler.is_compiling():  # checked eagerly, as an Equation's sizes are:
-        _functional.SCORES_GQA.sizes(Q=Q, K=K)  # n and a agree, g divides μ; errors show (2g)
-    for index, axis in (("n", 0), ("g", 1), ("σ", 2)):
-        if V.shape[axis] != K.shape[axis]:
-            raise EinattnError(f"index {index!r} has size {V.shape[axis]} in V but "
-                               f"{K.shape[axis]} in K: every key K[n g σ a] needs its value "
-                               f"V[n g σ a]")
+    _functional.check_qkv(Q, K, V)
     Q, K, V = _cast_for_autocast(Q, K, V)
     n, n_heads, L_q, _ = Q.shape
+    if pattern is None:
+        pattern = _patterns.build(n=n, n_heads=n_heads, L_q=L_q, L_k=K.shape[2],
+                                  dtype=Q.dtype, device=Q.device, causal=causal)
     if mask is not None:
         mask = _masks.as_nmts(mask, name="mask", n=n, n_heads=n_heads, L_q=L_q,
                               L_k=K.shape[2], dtype=Q.dtype, device=Q.device)
     if _softmax.transformed():  # no vmap or jvp rule for the Function below
-        return _dense(Q, K, V, mask, bool(causal))
+        return _dense(Q, K, V, mask, pattern)
     with torch.autocast(Q.device.type, enabled=False):
-        return _Attention.apply(Q, K, V, mask, bool(causal), block_size)
+        return _Attention.apply(Q, K, V, mask, pattern.sinks, pattern, block_size)
 
 
 def _cast_for_autocast(Q, K, V):
@@ -103,9 +105,9 @@ def _cast_for_autocast(Q, K, V):
     return Q.to(low), K.to(low), V.to(low)
 
 
-def _dense(Q, K, V, mask, causal: bool) -> torch.Tensor:
+def _dense(Q, K, V, mask, pattern) -> torch.Tensor:
     """Equations (2g)–(4g) as written, which autograd differentiates to any order."""
-    return _functional._einsum_stages(Q, K, V, mask, causal, 0.0, scratch=False)["Z"]
+    return _functional._einsum_stages(Q, K, V, mask, pattern, 0.0, scratch=False)["Z"]
 
 
 def check_block_size(block_size) -> int:
@@ -117,36 +119,37 @@ def check_block_size(block_size) -> int:
 
 
 class _Attention(torch.autograd.Function):
-    """Forward saves Q, K, V, Z, lse (and the mask); backward recomputes P per tile."""
+    """Forward saves Q, K, V, Z, lse (the mask, the sinks); backward recomputes P per tile."""
 
     @staticmethod
-    def forward(ctx, Q, K, V, mask, causal: bool, block_size: int):
-        Z, lse = _forward(Q, K, V, mask, causal, block_size)
-        ctx.save_for_backward(Q, K, V, Z, lse, mask)
-        ctx.causal, ctx.block_size = causal, block_size
+    def forward(ctx, Q, K, V, mask, sinks, pattern, block_size: int):
+        Z, lse = _forward(Q, K, V, mask, pattern, block_size)
+        ctx.save_for_backward(Q, K, V, Z, lse, mask, sinks)
+        ctx.pattern, ctx.block_size = pattern, block_size
         return Z
 
     @staticmethod
     def backward(ctx, dZ):
-        Q, K, V, Z, lse, mask = ctx.saved_tensors
+        Q, K, V, Z, lse, mask, sinks = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a backward that can be differentiated
-            return (*_dense_grads(ctx, Q, K, V, mask, dZ), None, None)
+            return (*_dense_grads(ctx, Q, K, V, mask, sinks, dZ), None, None)
         with torch.autocast(dZ.device.type, enabled=False):
-            dQ, dK, dV, dM = _backward(Q, K, V, Z, lse, mask, dZ, ctx.causal, ctx.block_size,
-                                       mask_grad=ctx.needs_input_grad[3])
-        return dQ, dK, dV, dM, None, None
+            grads = _backward(Q, K, V, Z, lse, mask, dZ, ctx.pattern, ctx.block_size,
+                              mask_grad=ctx.needs_input_grad[3])
+        return *grads, None, None
 
 
-def _dense_grads(ctx, Q, K, V, mask, dZ):
-    """The gradients of Q, K, V (and a float mask) through the dense equations, with a
-    graph of their own: what a second derivative differentiates."""
-    inputs = (Q, K, V, mask)
+def _dense_grads(ctx, Q, K, V, mask, sinks, dZ):
+    """The gradients of Q, K, V (a float mask, the sinks) through the dense equations,
+    with a graph of their own: what a second derivative differentiates."""
+    inputs = (Q, K, V, mask, sinks)
     wanted = [t for t, need in zip(inputs, ctx.needs_input_grad, strict=False) if need]
     with torch.autocast(dZ.device.type, enabled=False):
-        grads = iter(torch.autograd.grad(_dense(Q, K, V, mask, ctx.causal), wanted, dZ,
+        pattern = dataclasses.replace(ctx.pattern, sinks=sinks)  # the saved s[μ] itself
+        grads = iter(torch.autograd.grad(_dense(Q, K, V, mask, pattern), wanted, dZ,
                                          create_graph=True))
     return [next(grads) if need else None
-            for need in ctx.needs_input_grad[:4]]
+            for need in ctx.needs_input_grad[:5]]
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -154,34 +157,29 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _tiles(L_q: int, L_k: int, causal: bool, block_size: int):
-    """``(τ0, τ1, σ0, σ1)`` per tile of queries ``[τ0, τ1)`` and keys ``[σ0, σ1)``. With
-    ``causal``, a tile starts at its first row that sees one of its keys; a tile with no
-    such row is skipped."""
-    offset = L_k - L_q  # query τ sits at absolute position τ + offset: it sees σ ≤ τ + offset
-    for t0 in range(0, L_q, block_size):
-        t1 = min(t0 + block_size, L_q)
-        for s0 in range(0, L_k, block_size):
-            first = max(t0, s0 - offset) if causal else t0
-            if first < t1:
-                yield first, t1, s0, min(s0 + block_size, L_k)
-
-
-def _tile_scores(Q, K, mask, causal: bool, tau: slice, sigma: slice, acc) -> torch.Tensor:
-    """``S[n μ τ σ]`` for the queries ``tau`` and keys ``sigma`` of one tile, masked (−∞)."""
+def _tile_logits(Q, K, mask, pattern, at, tile, acc) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tile's ``S[n μ τ σ]`` and its logits ``cap(S) + B + M`` (−∞ where masked)."""
+    t0, t1, s0, s1, partial = tile
+    tau, sigma = slice(t0, t1), slice(s0, s1)
     S = _functional.SCORES_GQA(Q=Q[:, :, tau], K=K[:, :, sigma]).to(acc)  # a new tensor:
-    if mask is not None:  # masked in place, one tile-sized tensor in all
+    here = None if at is None else at.tile(tau, sigma)
+    logits = pattern.scored(S, here) if pattern.scores else S  # masked in place below
+    if mask is not None:
         M = _mask_tile(mask, tau, sigma)
         if M.dtype == torch.bool:
-            S.masked_fill_(~M, -_INF)
+            logits.masked_fill_(~M, -_INF)
         else:
-            S += M
-    offset = K.shape[2] - Q.shape[2]
-    if causal and sigma.stop - 1 > tau.start + offset:  # a key in the first row's future
-        rows = torch.arange(tau.start, tau.stop, device=Q.device)[:, None]
-        keys = torch.arange(sigma.start, sigma.stop, device=Q.device)[None, :]
-        S.masked_fill_(keys > rows + offset, -_INF)
-    return S
+            logits += M
+    if partial:  # a tile the pattern leaves wholly visible needs no mask
+        logits.masked_fill_(~pattern.allowed(here), -_INF)
+    return S, logits
+
+
+def _grid(Q, K, pattern):
+    """The index grid the pattern's pieces read, or None where it has none."""
+    if not (pattern.masks or pattern.scores):
+        return None
+    return _patterns.grid(Q.shape[0], Q.shape[1], Q.shape[2], K.shape[2], Q.device)
 
 
 def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
@@ -190,16 +188,19 @@ def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
     return rows if rows.shape[3] == 1 else rows[:, :, :, sigma]
 
 
-def _forward(Q, K, V, mask, causal: bool, block_size: int):
+def _forward(Q, K, V, mask, pattern, block_size: int):
     n, n_heads, L_q, _ = Q.shape
     acc = _accumulator(Q.dtype)
     out_dtype, (Q, K, V) = Q.dtype, (t.to(acc) for t in (Q, K, V))  # tiles in ≥ float32
     m = Q.new_full((n, n_heads, L_q), -_INF, dtype=acc)  # running max m[n μ τ]
     l = Q.new_zeros((n, n_heads, L_q), dtype=acc)  # noqa: E741 running sum l[n μ τ]
+    if pattern.sinks is not None:  # the sink: one more logit s_μ, whose value is zero
+        m, l = m.copy_(pattern.sinks[:, None]), l.fill_(1.0)  # noqa: E741
     O = Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=acc)  # noqa: E741 unnormalised Z
-    for t0, t1, s0, s1 in _tiles(L_q, K.shape[2], causal, block_size):
-        tau, sigma = slice(t0, t1), slice(s0, s1)
-        S = _tile_scores(Q, K, mask, causal, tau, sigma, acc)
+    at = _grid(Q, K, pattern)
+    for tile in pattern.tiles(L_q, K.shape[2], block_size):
+        tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
+        _, S = _tile_logits(Q, K, mask, pattern, at, tile, acc)
         m_old = m[:, :, tau]
         m_new = torch.maximum(m_old, S.amax(dim=-1))
         m_safe = m_new.masked_fill(m_new == -_INF, 0.0)  # no key yet: exp(−∞ − 0) = 0
@@ -209,34 +210,47 @@ def _forward(Q, K, V, mask, causal: bool, block_size: int):
         PV = _functional.VALUES_GQA(A=P, V=V[:, :, sigma])
         O[:, :, tau].mul_(rescale[..., None]).add_(PV)
         m[:, :, tau] = m_new
-    dead = l == 0  # no admissible key (or L_k = 0): Z = 0 and P = 0 in backward
+    dead = l == 0  # no admissible key (or L_k = 0), no sink: Z = 0 and P = 0 in backward
     Z = O.div_(l.masked_fill(dead, 1.0)[..., None]).to(out_dtype)  # in O's memory
     lse = (m + torch.log(l)).masked_fill(dead, _INF)
     return Z, lse
 
 
-def _backward(Q, K, V, Z, lse, mask, dZ, causal: bool, block_size: int, *, mask_grad: bool):
-    L_q, L_k, g = Q.shape[2], K.shape[2], K.shape[1]
+def _backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: bool):
+    g = K.shape[1]
     acc, dtypes = _accumulator(Q.dtype), (Q.dtype, K.dtype, V.dtype)
     Q, K, V, Z, dZ = (t.to(acc) for t in (Q, K, V, Z, dZ))  # every tile in ≥ float32
     D = (dZ * Z).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z = Σ_σ P dP
     dQ, dK, dV = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (Q, K, V))
     dM = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask_grad else None
-    for t0, t1, s0, s1 in _tiles(L_q, L_k, causal, block_size):
-        tau, sigma = slice(t0, t1), slice(s0, s1)
-        S = _tile_scores(Q, K, mask, causal, tau, sigma, acc)
-        P = S.sub_(lse[:, :, tau, None]).exp_()  # the forward's weights A, for this tile
+    at = _grid(Q, K, pattern)
+    for tile in pattern.tiles(Q.shape[2], K.shape[2], block_size):
+        tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
+        S, logits = _tile_logits(Q, K, mask, pattern, at, tile, acc)
+        P = logits.sub_(lse[:, :, tau, None]).exp_()  # the forward's weights A, for this tile
         Q_t, dZ_t, K_b, V_b = Q[:, :, tau], dZ[:, :, tau], K[:, :, sigma], V[:, :, sigma]
         dV[:, :, sigma] += VALUE_GRADS(P=P, dZ_t=dZ_t, g=g)
         dP = PROB_GRADS(dZ_t=dZ_t, V_b=V_b)
         dS = dP.sub_(D[:, :, tau, None]).mul_(P)  # dS = P ∘ (dP − D), in dP's memory
-        dQ[:, :, tau] += QUERY_GRADS(dS=dS, K_b=K_b)
-        dK[:, :, sigma] += KEY_GRADS(dS=dS, Q_t=Q_t, g=g)
-        if dM is not None:  # M is added to S, so dM = dS, summed over its broadcast axes
+        if dM is not None:  # M is added to the logits, so dM = dS, summed where it broadcasts
             target = _mask_tile(dM, tau, sigma)
             axes = _broadcast_axes(target.shape, dS.shape)
             target += (dS.sum(dim=axes, keepdim=True) if axes else dS).to(dM.dtype)
-    return (*(d.to(dtype) for d, dtype in zip((dQ, dK, dV), dtypes, strict=True)), dM)
+        if pattern.scores:  # through cap(S) + B back to S
+            dS = pattern.score_grad(S, dS, at.tile(tau, sigma))
+        dQ[:, :, tau] += QUERY_GRADS(dS=dS, K_b=K_b)
+        dK[:, :, sigma] += KEY_GRADS(dS=dS, Q_t=Q_t, g=g)
+    grads = [d.to(dtype) for d, dtype in zip((dQ, dK, dV), dtypes, strict=True)]
+    return (*grads, dM, _sink_grad(pattern.sinks, lse, D))
+
+
+def _sink_grad(sinks, lse, D):
+    """``∂L/∂s_μ = −Σ_{n τ} A_sink[n μ τ] D[n μ τ]``, with ``A_sink = exp(s_μ − lse)`` the
+    weight the sink took (its value is zero, so only the denominator it joins moves Z)."""
+    if sinks is None:
+        return None
+    A_sink = torch.exp(sinks.to(lse.dtype)[:, None] - lse)
+    return -(A_sink * D).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 def _broadcast_axes(mask_shape, tile_shape) -> list[int]:

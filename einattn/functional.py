@@ -25,6 +25,7 @@ import torch
 from . import _autocast, _softmax, layouts, rotary
 from . import masks as _masks
 from . import paths as _paths
+from . import patterns as _patterns
 from .cache import KVCache
 from .errors import EinattnError
 from .notation import Equation
@@ -151,6 +152,22 @@ def _check_context(x: torch.Tensor, context: torch.Tensor) -> None:
                                f"but {x.shape[axis]} in x")
 
 
+def check_qkv(Q, K, V) -> None:
+    """Q, K, V are ``Q[n μ τ a]``, ``K[n g σ a]``, ``V[n g σ a]`` whose sizes agree by index
+    (``g`` dividing ``μ``), checked before any backend sees them."""
+    for name, t, indices in (("Q", Q, "n μ τ a"), ("K", K, "n g σ a"), ("V", V, "n g σ a")):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise EinattnError(f"{name} must be 4-D {name}[{indices}], got {shape}")
+    if not torch.compiler.is_compiling():  # checked eagerly, as an Equation's sizes are:
+        SCORES_GQA.sizes(Q=Q, K=K)  # n and a agree, g divides μ; errors show (2g)
+    for index, axis in (("n", 0), ("g", 1), ("σ", 2)):
+        if V.shape[axis] != K.shape[axis]:
+            raise EinattnError(f"index {index!r} has size {V.shape[axis]} in V but "
+                               f"{K.shape[axis]} in K: every key K[n g σ a] needs its value "
+                               f"V[n g σ a]")
+
+
 def attention_scores(Q: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
     """Equation (2): ``S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a``; with fewer key heads than
     query heads, (2g): ``S[n (g r) τ σ] = Q[n (g r) τ a] K[n g σ a] / √a``.
@@ -165,7 +182,8 @@ def attention_scores(Q: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
 
 
 def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None, *,
-                   every_row_sees_a_key: bool = False) -> torch.Tensor:
+                   every_row_sees_a_key: bool = False,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Equation (3): ``A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[n μ τ σ])``.
 
     ``mask`` is boolean (True = may attend) or float (added to the scores). A query row
@@ -173,12 +191,17 @@ def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None, *,
     before the softmax and its weights to 0 after, never a finite sentinel. NaN in an
     admissible score still propagates. ``every_row_sees_a_key=True`` is the caller's
     promise that no row is fully masked (a causal mask with ``L_q ≤ L_k`` and nothing
-    else): the two passes over S that guard such rows are then skipped.
+    else): the two passes over S that guard such rows are then skipped. ``sinks`` ``s[μ]``
+    (S being ``S[n μ τ σ]``) adds one logit to each row's denominator,
+    ``A = exp(S'_σ) / (exp(s_μ) + Σ_σ' exp(S'_σ'))``: rows sum to less than one, and a
+    fully masked row is zeros.
 
     >>> masked_softmax(torch.zeros(2, 2), torch.tensor([[True, True], [False, False]]))
     tensor([[0.5000, 0.5000],
             [0.0000, 0.0000]])
     """
+    if sinks is not None:
+        return _sink_softmax(S, mask, sinks)
     return _masked_softmax(S, mask, every_row_sees_a_key, scratch=False)
 
 
@@ -205,6 +228,15 @@ def _masked_softmax(S: torch.Tensor, mask: torch.Tensor | None, every_row_sees_a
 
 def _softmax_fresh(S: torch.Tensor) -> torch.Tensor:
     return torch.softmax(S, dim=-1)
+
+
+def _sink_softmax(S: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor):
+    """Equation (3) with a sink: the softmax over σ and one more logit ``s_μ``, whose
+    weight is dropped. No row is fully masked: the sink is always there."""
+    if mask is not None:
+        S = S.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else S + mask
+    s = sinks.to(S.dtype)[:, None, None].expand(*S.shape[:-1], 1)
+    return torch.softmax(torch.cat([S, s], dim=-1), dim=-1)[..., :-1]
 
 
 def weighted_values(A: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
@@ -258,6 +290,41 @@ def attention_mask(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dty
     return _masks.combine(user, padding, future)
 
 
+def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
+              mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
+              causal: bool = False, window: int | None = None, softcap: float | None = None,
+              alibi=False, sinks: torch.Tensor | None = None,
+              document_ids: torch.Tensor | None = None, dropout: float = 0.0,
+              impl: str = "einsum", block_size: int = 256, scale: float | None = None,
+              need_weights: bool = False):
+    """Equations (2)–(4) with every term of (3): ``Z[n μ τ a]`` from ``Q[n μ τ a]``,
+    ``K[n g σ a]`` and ``V[n g σ a]`` (``g`` dividing ``μ``: grouped-query attention)::
+
+        A[n μ τ σ] = softmax_σ( cap(S[n μ τ σ]) + B[μ τ σ] + M[n μ τ σ] )   (+ a sink s[μ])
+
+    ``mask``, ``key_padding_mask`` and ``causal`` as in :func:`multi_head_attention`.
+    The patterns (:mod:`einattn.patterns`; τ' = τ + L_k − L_q): ``window=w`` lets τ see
+    the w keys ``τ' − w < σ ≤ τ'`` with ``causal`` (``|τ' − σ| < w`` without);
+    ``document_ids`` (integers ``(n, σ)``, the queries' ids the last ``L_q``) keeps each
+    query within its document; ``alibi=True`` adds ``B = −m_μ |τ' − σ|`` with BLOOM's
+    slopes (:func:`einattn.masks.alibi_slopes`; a tensor ``m[μ]`` gives others);
+    ``softcap=c`` caps the scaled scores, ``c · tanh(S / c)``; ``sinks`` (``s[μ]``) adds a
+    logit to each row's softmax denominator, so rows sum to less than one. ``impl``:
+    "einsum", "sdpa", "chunked" or "flex" (docs/masks.md: which runs what).
+    ``need_weights=True`` returns ``(Z, A)`` (the einsum path's).
+
+    >>> Q, K, V = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    >>> attention(Q, K, V, causal=True, window=3, softcap=30.0).shape
+    torch.Size([1, 4, 6, 8])
+    """
+    _check_impl(impl)
+    check_qkv(Q, K, V)
+    stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, mask, causal,
+                        _terms(window, softcap, alibi, sinks, document_ids), dropout, impl,
+                        block_size, need_weights)
+    return (stages["Z"], stages["A"]) if need_weights else stages["Z"]
+
+
 def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *, n_heads: int,
                          n_kv_heads: int | None = None, context: torch.Tensor | None = None,
                          mask: torch.Tensor | None = None,
@@ -268,7 +335,10 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
                          block_size: int = 256, rope: str | None = None,
                          rope_base: float = 10000.0, rope_scaling: dict | None = None,
                          rotary_dim: int | None = None, positions: torch.Tensor | None = None,
-                         cache: KVCache | None = None, scale: float | None = None):
+                         cache: KVCache | None = None, scale: float | None = None,
+                         window: int | None = None, softcap: float | None = None, alibi=False,
+                         sinks: torch.Tensor | None = None,
+                         document_ids: torch.Tensor | None = None):
     """Equations (1)–(5) composed: ``Y[n τ i]`` from ``X[n τ i]``.
 
     ``dropout`` is applied to ``A`` (pass 0 outside training). ``need_weights=True``
@@ -284,48 +354,60 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     softmax scale ``s`` of equation (2), ``S = s · Q K``: ``1/√a`` by default. With a
     :class:`~einattn.cache.KVCache`, this call's keys and values are appended to it and the
     queries attend over everything cached (causal aligned bottom-right);
-    ``key_padding_mask`` then marks this call's new keys only.
+    ``key_padding_mask`` and ``document_ids`` then mark this call's new keys only.
+    ``window``, ``softcap``, ``alibi``, ``sinks`` and ``document_ids`` are the attention
+    patterns of equation (3), as in :func:`attention`.
 
     ``impl`` chooses how equations (2)–(4) run, on the same parameters: ``"einsum"`` (the
     equations as written; under ``torch.compile`` routed to SDPA, which Inductor fuses),
-    ``"sdpa"`` (``F.scaled_dot_product_attention``) or ``"chunked"`` (exact attention over
-    tiles of ``block_size`` queries × keys, O(L) memory, see :mod:`einattn.chunked`). Weights
-    ``A`` exist only on the einsum path, so asking for them runs it.
+    ``"sdpa"`` (``F.scaled_dot_product_attention``), ``"chunked"`` (exact attention over
+    tiles of ``block_size`` queries × keys, O(L) memory, see :mod:`einattn.chunked`) or
+    ``"flex"`` (FlexAttention, compiled). Weights ``A`` exist only on the einsum path, so
+    asking for them runs it.
 
     >>> Y = multi_head_attention(torch.randn(2, 5, 16), torch.randn(48, 16),
     ...                          torch.randn(4, 4, 16), n_heads=4, causal=True)
     >>> Y.shape
     torch.Size([2, 5, 16])
     """
-    if impl not in IMPLS:
-        raise EinattnError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    _check_impl(impl)
     if cache is not None:
         _check_cache(cache, context)
     Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
-    if rope is not None:
-        options = rotary.check_options(rope, rope_base, rope_scaling, rotary_dim, Q.shape[-1])
-        Q, K = _rotate(Q, K, options, positions, 0 if cache is None else len(cache),
-                       cross=context is not None)
-    elif positions is not None or rope_scaling is not None or rotary_dim is not None:
-        raise EinattnError("positions=, rope_scaling= and rotary_dim= only matter with "
-                           "rope='half' or 'interleaved'; this attention has rope=None")
-    Q_scaled = Q if scale is None else Q * (check_scale(scale) * math.sqrt(Q.shape[-1]))
+    Q, K = _rotated(Q, K, (rope, rope_base, rope_scaling, rotary_dim), positions, cache, context)
     if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
         raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
                            f"Y[n τ i] must have the model width of X[n τ i]")
-    # _attend's arguments after the keys', by position (why: docs/performance.md, "How the
-    # fast paths are fast")
-    how = (W_O, b_O, n_heads, mask, causal, dropout, need_weights, return_intermediates, impl,
-           block_size)
+    terms = _terms(window, softcap, alibi, sinks, document_ids)
+    # run's arguments by position (why: docs/performance.md, "How the fast paths are fast")
+    how = (mask, causal, terms, dropout, impl, block_size, need_weights or return_intermediates)
     if cache is None:
-        out = _attend(Q_scaled, K, V, key_padding_mask, *how)
+        stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, *how)
     else:
         with cache.undo_on_error():  # this call's K and V join it; if it raises, it leaves them
-            K, V, key_padding_mask = cache.append(K, V, key_padding_mask)
-            out = _attend(Q_scaled, K, V, key_padding_mask, *how)
-    if return_intermediates and scale is not None:
-        out[1]["Q"] = Q  # the stages show Q itself; s · √a was folded into it for (2)–(4)
-    return out
+            K, V, key_padding_mask = cache.append(K, V, key_padding_mask, document_ids)
+            if document_ids is not None:  # the queries' documents and the cached keys'
+                how = (mask, causal, {**terms, "document_ids": cache.document_ids}, *how[3:])
+            stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, *how)
+    Y = combine_heads(stages["Z"], W_O, b_O)
+    if return_intermediates:  # Q itself: s · √a is folded into (2)–(4)'s copy only
+        return Y, {"Q": Q, "K": K, "V": V, **stages,
+                   "Y_μ": head_contributions(stages["Z"], W_O), "Y": Y}
+    return (Y, stages["A"]) if need_weights else Y
+
+
+def _terms(window, softcap, alibi, sinks, document_ids) -> dict | None:
+    """The pattern options of equation (3) that are set, or None where none is."""
+    if window is None and softcap is None and sinks is None and document_ids is None \
+            and (alibi is False or alibi is None):
+        return None
+    return {"window": window, "softcap": softcap, "alibi": alibi, "sinks": sinks,
+            "document_ids": document_ids}
+
+
+def _scaled(Q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Q with ``s · √a`` folded in, so that equation (2)'s ``/ √a`` gives ``S = s · Q K``."""
+    return Q if scale is None else Q * (check_scale(scale) * math.sqrt(Q.shape[-1]))
 
 
 def check_scale(scale) -> float:
@@ -337,43 +419,6 @@ def check_scale(scale) -> float:
     return scale
 
 
-def _attend(Q, K, V, key_padding_mask, W_O, b_O, n_heads: int, mask, causal: bool,
-            dropout: float, need_weights: bool, return_intermediates: bool, impl: str,
-            block_size: int):
-    """Equations (2)–(5) from Q, K, V by ``impl``, with the weights or every stage if asked."""
-    causal = True if causal and Q.shape[2] > 1 else False
-    M = None
-    if mask is not None or key_padding_mask is not None:
-        M = attention_mask(n=Q.shape[0], n_heads=n_heads, L_q=Q.shape[2], L_k=K.shape[2],
-                           dtype=Q.dtype, device=Q.device, mask=mask,
-                           key_padding_mask=key_padding_mask)
-    seen = need_weights or return_intermediates
-    if seen:
-        impl = "einsum"  # only the einsum path has A and S
-    elif impl == "einsum" and torch.compiler.is_compiling():
-        impl = "sdpa"  # under torch.compile: SDPA, which Inductor fuses
-    stages = _stages(impl, Q, K, V, M, causal, dropout, block_size, seen)
-    if (M is not None or causal) and _paths.nonfinite(stages["Z"]):
-        def run(K, V):
-            return _stages(impl, Q, K, V, M, causal, dropout, block_size, seen)
-        stages = _paths.masked_nonfinite_dropped(run, Q, K, V, M, causal, stages)
-    if not seen:
-        return combine_heads(stages["Z"], W_O, b_O)
-    Y = combine_heads(stages["Z"], W_O, b_O)
-    if return_intermediates:
-        return Y, {"Q": Q, "K": K, "V": V, **stages,
-                   "Y_μ": head_contributions(stages["Z"], W_O), "Y": Y}
-    return (Y, stages["A"]) if need_weights else Y
-
-
-def _stages(impl: str, Q, K, V, M, causal: bool, dropout: float, block_size: int,
-            seen: bool) -> dict[str, torch.Tensor]:
-    """Equations (2)–(4) by ``impl``: every stage on the einsum path, Z alone elsewhere."""
-    if impl == "einsum":
-        return _einsum_stages(Q, K, V, M, causal, dropout, scratch=not seen)
-    return {"Z": _paths.weighted_values(impl, Q, K, V, M, causal, dropout, block_size)}
-
-
 def _check_cache(cache, context) -> None:
     if not isinstance(cache, KVCache):
         raise EinattnError(f"cache must be an einattn.KVCache, got {type(cache).__name__}")
@@ -383,41 +428,62 @@ def _check_cache(cache, context) -> None:
                            "context")
 
 
-IMPLS = ("einsum", "sdpa", "chunked")
+IMPLS = ("einsum", "sdpa", "chunked", "flex")
 
 
-def _rotate(Q, K, options: tuple, positions, offset: int, *, cross: bool):
-    """Q and K turned by (R1)/(R2), the keys at the queries' positions (self-attention)."""
-    if cross:
+def _rotated(Q, K, rope_options: tuple, positions, cache, context):
+    """Q and K turned by (R1)/(R2) where ``rope`` is set, the keys at the queries'
+    positions (self-attention), after the tokens already in ``cache``."""
+    rope, base, scaling, d_rot = rope_options
+    if rope is None:
+        if positions is not None or scaling is not None or d_rot is not None:
+            raise EinattnError("positions=, rope_scaling= and rotary_dim= only matter with "
+                               "rope='half' or 'interleaved'; this attention has rope=None")
+        return Q, K
+    style, base, scaling, d_rot = rotary.check_options(rope, base, scaling, d_rot, Q.shape[-1])
+    if context is not None:
         raise EinattnError("rope needs self-attention: with a context, the keys' positions "
                            "are not the queries'; drop rope or the context")
-    style, base, scaling, d_rot = options
     n, _, L, _ = Q.shape
-    t = rotary.positions_for(positions, n=n, L=L, offset=offset, device=Q.device)
+    t = rotary.positions_for(positions, n=n, L=L, offset=0 if cache is None else len(cache),
+                             device=Q.device)
     R = rotary.rotations(t, d_head=d_rot, base=base, dtype=Q.dtype, scaling=scaling)
     return rotary.rotate(Q, R, style), rotary.rotate(K, R, style)
 
 
-def _einsum_stages(Q, K, V, M, causal: bool, dropout: float,
+def _check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise EinattnError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    return impl
+
+
+def _einsum_stages(Q, K, V, M, pattern, dropout: float,
                    scratch: bool) -> dict[str, torch.Tensor]:
-    """Equations (2)–(4) as written: S, A (after dropout, as applied) and Z. With
-    ``scratch`` nobody sees S or A, so the softmax may spend S's storage (then "S" holds A).
-    Float16 and bfloat16 scores, mask and softmax are float32 (as SDPA's are): a score
-    past 65504 or a ``−1e4`` mask added in half precision would lose the row."""
-    only_causal = causal and M is None and Q.shape[2] <= K.shape[2]  # no row fully masked
-    if causal:
-        M = _masks.combine(M, _masks.causal_mask(Q.shape[2], K.shape[2], device=Q.device))
-    if Q.dtype in _HALF:
+    """Equations (2)–(4) as written, with the terms of (3) from ``pattern``: S, A (after
+    dropout, as applied) and Z. With ``scratch`` nobody sees S or A, so the softmax may
+    spend S's storage (then "S" holds A). Float16 and bfloat16 scores, mask and softmax
+    are float32 (as SDPA's are): a score past 65504 or a ``−1e4`` mask added in half
+    precision would lose the row."""
+    (n, n_heads, L_q, _), L_k = Q.shape, K.shape[2]
+    at = _patterns.grid(n, n_heads, L_q, L_k, Q.device) if pattern.masks or pattern.scores \
+        else None
+    no_dead_row = pattern.causal_only and M is None and L_q <= L_k
+    M = _masks.combine(M, None if at is None else pattern.allowed(at))
+    half = Q.dtype in _HALF
+    if half:
         with torch.autocast(Q.device.type, enabled=False):  # S itself never rounded to half
             S = attention_scores(Q.float(), K.float())
-        A = _masked_softmax(S, M, only_causal, scratch=scratch).to(V.dtype)
     else:
         S = attention_scores(Q, K)
-        A = _masked_softmax(S, M, only_causal, scratch=scratch)
+    logits = pattern.scored(S, at) if pattern.scores else S  # cap(S) + B
+    if pattern.sinks is not None:
+        A = _sink_softmax(logits, M, pattern.sinks)
+    else:
+        A = _masked_softmax(logits, M, no_dead_row, scratch=scratch)
+    A = A.to(V.dtype) if half else A
     if dropout:
         A = torch.nn.functional.dropout(A, p=dropout)
     return {"S": S, "A": A, "Z": weighted_values(A, V)}
 
 
 _HALF = (torch.float16, torch.bfloat16)
-

@@ -119,4 +119,23 @@ def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:
     float_mask = additive[0]
     for m in additive[1:]:
         float_mask = float_mask + m
-    return float_mask if bool_mask is None else float_mask.masked_fill(~bool_mask, float("-inf"))
+    if bool_mask is None:
+        return float_mask
+    return torch.where(bool_mask, float_mask, float("-inf"))  # broadcast both ways
+
+
+def alibi_slopes(n_heads: int, *, dtype=torch.float32, device=None) -> torch.Tensor:
+    """ALiBi's slopes ``m[μ]``, as BLOOM and MPT draw them: for ``h`` a power of two the
+    geometric sequence ``m_μ = 2^(−8 (μ + 1) / h)``; otherwise those of the largest power of
+    two ``h' < h``, then every other slope of ``2 h'`` heads (the odd ones) for the rest.
+
+    >>> alibi_slopes(4)
+    tensor([0.2500, 0.0625, 0.0156, 0.0039])
+    """
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise EinattnError(f"n_heads must be a positive int, got {n_heads!r}")
+    def geometric(h: int) -> torch.Tensor:
+        return 2.0 ** (-8.0 * torch.arange(1, h + 1, dtype=torch.float64) / h)
+    h = 1 << (n_heads.bit_length() - 1)
+    slopes = torch.cat([geometric(h), geometric(2 * h)[0::2][:n_heads - h]])
+    return slopes.to(dtype=dtype, device=device)

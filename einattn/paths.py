@@ -1,10 +1,14 @@
-"""Fast paths for equations (2)–(4): the same ``Z[n μ τ a]`` from the same Q, K, V.
+"""The impls of equations (2)–(4): the same ``Z[n μ τ a]`` from the same Q, K, V and the
+same pattern of equation (3) (:mod:`einattn.patterns`).
 
-``"sdpa"`` hands them to ``F.scaled_dot_product_attention`` (fused kernels: flash, memory
-efficient, or math); ``"chunked"`` runs :mod:`einattn.chunked`, exact attention over tiles
-of queries × keys with O(L) memory. Both take grouped-query keys and values as they are,
-``K[n g σ a]`` with ``μ = (g r)``, never repeated per head; both see einattn's masks with
-einattn's meaning: True = may attend, float = added, causal aligned bottom-right.
+``"einsum"`` runs the equations as written (:mod:`einattn.functional`); ``"sdpa"`` hands
+them to ``F.scaled_dot_product_attention`` (fused kernels: flash, memory efficient, or
+math), the pattern's mask folded into its mask; ``"chunked"`` runs :mod:`einattn.chunked`,
+exact attention over tiles of queries × keys with O(L) memory that skips the tiles the
+pattern leaves empty; ``"flex"`` runs :mod:`einattn.flex`, FlexAttention with the
+pattern's mods. Each takes grouped-query keys and values as they are, ``K[n g σ a]`` with
+``μ = (g r)``, never repeated per head, and einattn's masks with einattn's meaning: True =
+may attend, float = added, causal aligned bottom-right.
 
 :func:`nonfinite` and :func:`masked_nonfinite_dropped` keep a NaN or ±∞ behind a mask out of
 the outputs of the queries that may not see it, on every impl (on the CPU, eagerly).
@@ -18,29 +22,75 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _softmax, chunked, masks
+from . import _softmax, chunked, flex, masks, patterns
+from . import functional as _functional  # not `from .functional import`: it imports us
 from .errors import EinattnError
 
 
-def weighted_values(impl: str, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
-                    mask: torch.Tensor | None, causal: bool, dropout: float,
-                    block_size: int) -> torch.Tensor:
-    """``Z[n μ τ a]`` by ``impl`` ("sdpa" or "chunked")."""
+def run(Q, K, V, key_padding_mask, mask, causal: bool, terms: dict | None, dropout: float,
+        impl: str, block_size: int, seen: bool) -> dict[str, torch.Tensor]:
+    """Equations (2)–(4) by ``impl``, with the terms of (3): every stage where they are
+    ``seen`` (on the einsum path, which alone has S and A), Z alone elsewhere."""
+    (n, n_heads, L_q, _), L_k = Q.shape, K.shape[2]
+    if terms is None:
+        pattern = _causal(L_k - L_q) if causal and L_q > 1 else _PLAIN
+    else:
+        pattern = patterns.build(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=Q.dtype,
+                                 device=Q.device, causal=causal, **terms)
+    M = None
+    if mask is not None or key_padding_mask is not None:
+        M = _functional.attention_mask(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=Q.dtype,
+                                       device=Q.device, mask=mask,
+                                       key_padding_mask=key_padding_mask)
+    impl = "einsum" if seen else _routed(impl, pattern)
+    stages = _stages(impl, Q, K, V, M, pattern, dropout, block_size, seen)
+    if (M is not None or pattern.masks) and nonfinite(stages["Z"]):
+        def again(K, V):
+            return _stages(impl, Q, K, V, M, pattern, dropout, block_size, seen)
+        stages = masked_nonfinite_dropped(again, Q, K, V, M, pattern, stages)
+    return stages
+
+
+_PLAIN = patterns.Pattern()
+
+
+def _causal(shift: int) -> patterns.Pattern:
+    """The pattern ``causal=True`` is."""
+    return patterns.Pattern((patterns.Causal(shift),))
+
+
+def _routed(impl: str, pattern: patterns.Pattern) -> str:
+    """Where ``impl`` runs this pattern: SDPA takes masks only (a softcap or a sink runs
+    the einsum path's equations); under ``torch.compile`` the einsum path runs as SDPA,
+    which Inductor fuses, where SDPA can take the pattern."""
+    if impl == "sdpa" and not pattern.only_masks:
+        return "einsum"
+    if impl == "einsum" and pattern.only_masks and torch.compiler.is_compiling():
+        return "sdpa"
+    return impl
+
+
+def _stages(impl: str, Q, K, V, M, pattern, dropout: float, block_size: int,
+            seen: bool) -> dict[str, torch.Tensor]:
+    if impl == "einsum":
+        return _functional._einsum_stages(Q, K, V, M, pattern, dropout, scratch=not seen)
     if impl == "sdpa":
-        return _sdpa(Q, K, V, mask, causal, dropout)
+        return {"Z": _sdpa(Q, K, V, M, pattern, dropout)}
     if dropout:
-        raise EinattnError(f"impl='chunked' has no dropout (got dropout={dropout}); use "
+        raise EinattnError(f"impl={impl!r} has no dropout (got dropout={dropout}); use "
                            f"impl='einsum' or 'sdpa' while training with dropout")
-    return chunked.attention(Q, K, V, mask=mask, causal=causal, block_size=block_size)
+    if impl == "chunked":
+        return {"Z": chunked.attention(Q, K, V, mask=M, pattern=pattern, block_size=block_size)}
+    return {"Z": flex.attention(Q, K, V, M, pattern)}
 
 
-def _sdpa(Q, K, V, mask, causal: bool, dropout: float) -> torch.Tensor:
-    (_, μ, L_q, _), (_, g, L_k, _) = Q.shape, K.shape
+def _sdpa(Q, K, V, mask, pattern, dropout: float) -> torch.Tensor:
+    (n, μ, L_q, _), (_, g, L_k, _) = Q.shape, K.shape
     # top-left = bottom-right; an `if`, not bool(): under dynamic shapes L_q == L_k is a
     # SymBool that SDPA refuses, and a branch makes dynamo guard on it instead
-    is_causal = True if causal and mask is None and L_q == L_k else False
-    if causal and not is_causal:
-        mask = masks.combine(mask, masks.causal_mask(L_q, L_k, device=Q.device))
+    is_causal = True if pattern.causal_only and mask is None and L_q == L_k else False
+    if pattern.masks and not is_causal:
+        mask = masks.combine(mask, pattern.allowed(patterns.grid(n, μ, L_q, L_k, Q.device)))
     if _softmax.transformed():  # the fused kernels have no vmap or forward-AD rule
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(Q, K, V, mask, dropout, is_causal,
@@ -71,7 +121,7 @@ def nonfinite(Z: torch.Tensor) -> bool:
     return not math.isfinite(Z.sum().item())
 
 
-def masked_nonfinite_dropped(run, Q, K, V, M, causal: bool, stages: dict) -> dict:
+def masked_nonfinite_dropped(run, Q, K, V, M, pattern, stages: dict) -> dict:
     """The stages again with every key whose K or V is not finite set to zero, then NaN in
     the rows that may attend to one of those keys: a NaN or ±∞ behind the mask of a query
     (padding, the causal future, a bool mask) reaches no output of that query, where
@@ -82,8 +132,8 @@ def masked_nonfinite_dropped(run, Q, K, V, M, causal: bool, stages: dict) -> dic
     stages = run(*(T.masked_fill(bad[..., None], 0.0) for T in (K, V)))
     n, n_heads, L_q, L_k = Q.shape[0], Q.shape[1], Q.shape[2], K.shape[2]
     allowed = torch.ones(L_q, L_k, dtype=torch.bool, device=Q.device)
-    if causal:
-        allowed = masks.causal_mask(L_q, L_k, device=Q.device)
+    if pattern.masks:
+        allowed = allowed & pattern.allowed(patterns.grid(n, n_heads, L_q, L_k, Q.device))
     if M is not None:
         allowed = allowed & (M if M.dtype == torch.bool else M != float("-inf"))
     bad = bad.repeat_interleave(n_heads // K.shape[1], dim=1)[:, :, None, :]  # [n μ 1 σ]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import TOL, assert_close_scaled, randn
 
-from einattn import EinattnError, MultiHeadAttention, chunked, masks, paths
+from einattn import EinattnError, MultiHeadAttention, chunked, masks
 from einattn import functional as F
 
 F64, F32 = torch.float64, torch.float32
@@ -154,14 +154,15 @@ def test_grouped_query_equals_the_einsum_path_float64(g, r, lengths, mask, causa
 
 
 def test_grouped_query_keys_and_values_are_used_without_a_copy():
-    """paths hands K[n g σ a] and V[n g σ a] to chunked as they are: no tensor of the
-    repeated shape (n, μ, σ, a) is made or saved, and the saved K and V are the caller's."""
+    """functional.attention hands K[n g σ a] and V[n g σ a] to chunked as they are: no tensor
+    of the repeated shape (n, μ, σ, a) is made or saved, and the saved K and V are the
+    caller's."""
     Q, K, V = gqa_qkv(9, 11, g=2, r=3)
-    made = largest_outputs(lambda: paths.weighted_values(
-        "chunked", Q, K, V, mask=None, causal=True, dropout=0.0, block_size=4).sum().backward())
+    made = largest_outputs(lambda: F.attention(
+        Q, K, V, causal=True, impl="chunked", block_size=4).sum().backward())
     assert not any(shape[1:3] == (6, 11) for shape in made)  # μ = 6 heads of σ = 11 keys
-    saved = saved_for_backward(lambda: paths.weighted_values(
-        "chunked", Q, K, V, mask=None, causal=True, dropout=0.0, block_size=4))
+    saved = saved_for_backward(lambda: F.attention(
+        Q, K, V, causal=True, impl="chunked", block_size=4))
     pointers = {t.data_ptr() for t in saved}
     assert K.data_ptr() in pointers and V.data_ptr() in pointers
     assert all(t.shape[1] in (2, 6) for t in saved)  # g or μ heads, never K repeated
