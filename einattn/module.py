@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import chunked, functional, layouts, rotary
+from . import chunked, functional, layouts, patterns, rotary
 from .cache import KVCache
 from .errors import EinattnError
 
@@ -52,7 +52,9 @@ class MultiHeadAttention(nn.Module):
                  causal: bool = False, init: str = "torch", impl: str = "einsum",
                  block_size: int = 256, rope: str | None = None, rope_base: float = 10000.0,
                  rope_scaling: dict | None = None, rotary_dim: int | None = None,
-                 scale: float | None = None, device=None, dtype=None):
+                 scale: float | None = None, window: int | None = None,
+                 softcap: float | None = None, alibi: bool = False, sinks: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         d_head = _d_head(d_model, n_heads, d_head)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
@@ -68,16 +70,24 @@ class MultiHeadAttention(nn.Module):
         if rope is not None or rope_scaling is not None or rotary_dim is not None:
             rotary.check_options(rope, rope_base, rope_scaling, rotary_dim, d_head)
         self.scale = None if scale is None else functional.check_scale(scale)
+        self.window = None if window is None else patterns.check_window(window)
+        self.softcap = None if softcap is None else patterns.check_softcap(softcap)
+        for name, flag in (("alibi", alibi), ("sinks", sinks)):
+            if not isinstance(flag, bool):
+                raise EinattnError(f"{name} must be True or False, got {flag!r}")
+        self.alibi = alibi
         kw = {"device": device, "dtype": dtype}
         self.W = nn.Parameter(torch.empty(rows, d_model, **kw))
         self.W_O = nn.Parameter(torch.empty(n_heads, d_head, d_model, **kw))
         self.b = nn.Parameter(torch.empty(rows, **kw)) if bias else None
         self.b_O = nn.Parameter(torch.empty(d_model, **kw)) if bias else None
+        self.sinks = nn.Parameter(torch.empty(n_heads, **kw)) if sinks else None  # s[μ]
         self.reset_parameters(init)
 
     def reset_parameters(self, init: str = "torch") -> None:
         """``"torch"``: W xavier-uniform, W_O uniform(±1/√(μ·a)) as nn.Linear, biases 0
-        (``nn.MultiheadAttention``'s scheme); ``"gpt2"``: weights N(0, 0.02²), biases 0."""
+        (``nn.MultiheadAttention``'s scheme); ``"gpt2"``: weights N(0, 0.02²), biases 0.
+        Sink logits ``s[μ]`` start at 0 either way."""
         with torch.no_grad():
             if init == "torch":
                 nn.init.xavier_uniform_(self.W)
@@ -88,7 +98,7 @@ class MultiHeadAttention(nn.Module):
                 nn.init.normal_(self.W_O, std=0.02)
             else:
                 raise EinattnError(f"init must be 'torch' or 'gpt2', got {init!r}")
-            for bias in (self.b, self.b_O):
+            for bias in (self.b, self.b_O, self.sinks):
                 if bias is not None:
                     bias.zero_()
 
@@ -98,14 +108,17 @@ class MultiHeadAttention(nn.Module):
                 f"bias={self.b is not None}, dropout={self.dropout}, causal={self.causal}, "
                 f"impl={self.impl!r}" + (f", rope={self.rope!r}" if self.rope else "")
                 + "".join(f", {k}={getattr(self, k)!r}" for k in ("rope_scaling", "rotary_dim",
-                                                                   "scale")
-                          if getattr(self, k) is not None))
+                                                                   "scale", "window", "softcap")
+                          if getattr(self, k) is not None)
+                + (", alibi=True" if self.alibi else "")
+                + (", sinks=True" if self.sinks is not None else ""))
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
                 causal: bool | None = None, need_weights: bool = False,
                 return_intermediates: bool = False, impl: str | None = None,
-                positions: torch.Tensor | None = None, cache: KVCache | None = None):
+                positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                document_ids: torch.Tensor | None = None):
         """``Y[n τ i]`` from ``x`` ``(n, L_q, d_model)`` and optional ``context``
         ``(n, L_k, d_model)``.
 
@@ -122,7 +135,9 @@ class MultiHeadAttention(nn.Module):
         this call's keys and values are appended to it and attention runs over all of it:
         with ``causal=True`` (here or in the constructor), ``layer(prompt, cache=c)`` then
         ``layer(next_token, cache=c)`` equals one causal forward over the whole sequence;
-        ``key_padding_mask`` then marks the new keys.
+        ``key_padding_mask`` then marks the new keys. ``document_ids`` (integers
+        ``(n, L)``, self-attention) packs several documents in one sequence: a token
+        attends only within its own (with a cache, this call's tokens' ids).
         """
         # w's entries go by name, not as **w: docs/performance.md, "How the fast paths are fast"
         w = self._attention_weights()
@@ -137,7 +152,9 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights, return_intermediates=return_intermediates,
             impl=self.impl if impl is None else _check_impl(impl), block_size=self.block_size,
             rope=self.rope, rope_base=self.rope_base, rope_scaling=self.rope_scaling,
-            rotary_dim=self.rotary_dim, positions=positions, cache=cache, scale=self.scale)
+            rotary_dim=self.rotary_dim, positions=positions, cache=cache, scale=self.scale,
+            window=self.window, softcap=self.softcap, alibi=w["alibi"], sinks=w["sinks"],
+            document_ids=document_ids)
 
     def _attention_weights(self) -> dict:
         """What forward hands :func:`einattn.functional.multi_head_attention`: parameters
@@ -149,9 +166,9 @@ class MultiHeadAttention(nn.Module):
         attribute: a parametrized one (``torch.nn.utils.parametrize``, ``weight_norm``), a
         pruned one, FSDP's views, ``nn.DataParallel``'s replicas."""
         p = self._parameters
-        W, W_O, b, b_O = [p[name] if name in p else getattr(self, name)
-                          for name in ("W", "W_O", "b", "b_O")]
-        return {"W": W, "W_O": W_O, "b": b, "b_O": b_O,
+        W, W_O, b, b_O, sinks = [p[name] if name in p else getattr(self, name)
+                                 for name in ("W", "W_O", "b", "b_O", "sinks")]
+        return {"W": W, "W_O": W_O, "b": b, "b_O": b_O, "sinks": sinks, "alibi": self.alibi,
                 "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
 
     def _check_input(self, name: str, t: torch.Tensor, W: torch.Tensor) -> None:
@@ -274,6 +291,12 @@ class MultiHeadAttention(nn.Module):
         if self.scale is not None:
             raise EinattnError(f"nn.MultiheadAttention always scales the scores by 1/√a, but "
                                f"this layer has scale={self.scale}")
+        patterned = [f"{k}={v!r}" for k, v in (("window", self.window),
+                                               ("softcap", self.softcap), ("alibi", self.alibi),
+                                               ("sinks", self.sinks is not None)) if v]
+        if patterned:
+            raise EinattnError(f"nn.MultiheadAttention has no attention patterns, but this "
+                               f"layer has {', '.join(patterned)}")
         if self.causal:
             raise EinattnError("nn.MultiheadAttention keeps no causal flag, but this layer has "
                                "causal=True: convert a causal=False layer and pass "

@@ -30,13 +30,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from .errors import EinattnError
+from .masks import alibi_slopes
 from .module import MultiHeadAttention
 
 __all__ = ["HeadParallel", "gather_heads", "shard_heads"]
 
 # Where each parameter lives on the mesh: the rows of W[(μ B a) i] and b[(μ B a)], and the
 # heads of W_O[μ a i], are split in contiguous blocks (whole heads); b_O[i] is everywhere.
-PLACEMENTS = {"W": Shard(0), "b": Shard(0), "W_O": Shard(0), "b_O": Replicate()}
+PLACEMENTS = {"W": Shard(0), "b": Shard(0), "W_O": Shard(0), "b_O": Replicate(),
+              "sinks": Shard(0)}
 
 
 def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHeadAttention:
@@ -109,7 +111,8 @@ def gather_heads(layer: MultiHeadAttention) -> MultiHeadAttention:
         bias=layer.b is not None, dropout=layer.dropout, causal=layer.causal,
         impl=layer.impl, block_size=layer.block_size, rope=layer.rope,
         rope_base=layer.rope_base, rope_scaling=layer.rope_scaling, rotary_dim=layer.rotary_dim,
-        scale=layer.scale, device=full["W"].device, dtype=full["W"].dtype)
+        scale=layer.scale, window=layer.window, softcap=layer.softcap, alibi=layer.alibi,
+        sinks=layer.sinks is not None, device=full["W"].device, dtype=full["W"].dtype)
     with torch.no_grad():
         for name, t in full.items():
             if t is not None:
@@ -137,11 +140,17 @@ class HeadParallel:
     local_heads: range
 
     def _attention_weights(self) -> dict:
-        """This rank's shards of ``W``, ``b`` and ``W_O`` and its head counts: equations
-        (1)–(4) and the rank's terms of (5). No ``b_O``: it is added once, after the sum."""
+        """This rank's shards of ``W``, ``b``, ``W_O`` and the sinks, its heads' ALiBi slopes
+        and its head counts: equations (1)–(4) and the rank's terms of (5). No ``b_O``: it
+        is added once, after the sum."""
+        local = self.local_heads
+        alibi = self.alibi and alibi_slopes(self.n_heads, dtype=self.W.dtype,
+                                            device=self.W.device)[local.start:local.stop]
         return {"W": self.W.to_local(), "W_O": self.W_O.to_local(),
                 "b": None if self.b is None else self.b.to_local(), "b_O": None,
-                "n_heads": self.n_local_heads, "n_kv_heads": self.n_local_kv_heads}
+                "sinks": None if self.sinks is None else self.sinks.to_local(),
+                "alibi": alibi, "n_heads": self.n_local_heads,
+                "n_kv_heads": self.n_local_kv_heads}
 
     def _to_local_heads(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook: "f" on every input that requires a gradient (``x``,

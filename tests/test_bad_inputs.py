@@ -275,6 +275,12 @@ BAD = {
                                  _x(), torch.ones(90, D, dtype=F64), torch.ones(5, 6, D,
                                  dtype=F64), n_heads=H, rope="half", rope_base=-1.0),
                              r"rope_base must be a finite positive number .* got -1\.0"),
+    "to_torch-patterns": (lambda: MultiHeadAttention(30, 5, window=4, alibi=True).to_torch(),
+                          r"nn.MultiheadAttention has no attention patterns, but this layer "
+                          r"has window=4, alibi=True"),
+    **{f"layer-{name}-not-bool": (lambda name=name: _layer(**{name: 1}),
+                                  rf"{name} must be True or False, got 1")
+       for name in ("alibi", "sinks")},
     "to_torch-scale": (lambda: MultiHeadAttention(30, 5, scale=0.1).to_torch(),
                        r"nn.MultiheadAttention always scales the scores by 1/√a, but this layer "
                        r"has scale=0.1"),
