@@ -19,8 +19,9 @@ key/value group serves its ``r`` query heads where it lies, never repeated. Only
 ``Q, K, V, Z, lse`` (and the mask) are saved; the backward pass recomputes each tile's
 ``P = exp(S − lse)`` and, with ``D[n μ τ] = Σ_a dZ Z``, uses ``dS = P ∘ (dP − D)``.
 Besides ``O(L·a)`` tensors such as ``Z`` and the gradients, the largest temporary is one
-tile, ``block_size × block_size`` per head: nothing of ``L_q × L_k`` elements, nor of
-``L_q × block_size``. See docs/chunked.md.
+tile, ``block_size × SPAN · block_size`` per head (neighbouring tiles of a row of queries
+run as one product): nothing of ``L_q × L_k`` elements, nor of ``L_q × block_size``. See
+docs/chunked.md.
 
 A query row with no admissible key keeps ``m = −∞`` and ``l = 0``: its ``Z`` is exact
 zeros and its ``lse`` is set to ``+∞``, so that the backward pass recomputes ``P = 0``
@@ -175,6 +176,25 @@ def _tile_logits(Q, K, mask, pattern, at, tile, acc) -> tuple[torch.Tensor, torc
     return S, logits
 
 
+SPAN = 4  # the widest tile, in key blocks: neighbours in a row of tiles run as one
+
+
+def _spans(tiles, block_size: int) -> list:
+    """The pattern's tiles with neighbours merged, up to ``SPAN`` blocks of keys: fewer,
+    wider products (a window's band of keys in one), the same keys visited. Neighbours
+    merge where they start at the same query (a causal tile starts at its first row that
+    sees one of its keys), so no query meets a key it does not see in the same tile."""
+    merged = []
+    for t0, t1, s0, s1, partial in tiles:
+        if merged:
+            m0, m1, n0, n1, m_partial = merged[-1]
+            if (m0, m1, n1) == (t0, t1, s0) and s1 - n0 <= SPAN * block_size:
+                merged[-1] = (t0, t1, n0, s1, m_partial or partial)
+                continue
+        merged.append((t0, t1, s0, s1, partial))
+    return merged
+
+
 def _grid(Q, K, pattern):
     """The index grid the pattern's pieces read, or None where it has none."""
     if not (pattern.masks or pattern.scores):
@@ -198,7 +218,7 @@ def _forward(Q, K, V, mask, pattern, block_size: int):
         m, l = m.copy_(pattern.sinks[:, None]), l.fill_(1.0)  # noqa: E741
     O = Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=acc)  # noqa: E741 unnormalised Z
     at = _grid(Q, K, pattern)
-    for tile in pattern.tiles(L_q, K.shape[2], block_size):
+    for tile in _spans(pattern.tiles(L_q, K.shape[2], block_size), block_size):
         tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
         _, S = _tile_logits(Q, K, mask, pattern, at, tile, acc)
         m_old = m[:, :, tau]
@@ -224,7 +244,7 @@ def _backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad:
     dQ, dK, dV = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (Q, K, V))
     dM = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask_grad else None
     at = _grid(Q, K, pattern)
-    for tile in pattern.tiles(Q.shape[2], K.shape[2], block_size):
+    for tile in _spans(pattern.tiles(Q.shape[2], K.shape[2], block_size), block_size):
         tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
         S, logits = _tile_logits(Q, K, mask, pattern, at, tile, acc)
         P = logits.sub_(lse[:, :, tau, None]).exp_()  # the forward's weights A, for this tile

@@ -407,15 +407,18 @@ def largest_outputs(f):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_no_temporary_spans_every_query_of_a_key_block(causal):
     """Forward and backward create nothing larger than one tile of block_size queries ×
-    block_size keys per head, or an O(L·a) tensor such as Z, dQ, dK, dV: never the
-    L_q × block_size scores of all queries against one key block."""
-    L, b = 64, 8  # per head: a tile is 64 numbers, Z 320, L × b would be 512
+    SPAN · block_size keys per head (neighbouring tiles of a row run as one product), or
+    an O(L·a) tensor such as Z, dQ, dK, dV: never the L_q × block_size scores of all
+    queries against one key block, nor a row of all keys."""
+    L, b = 96, 8  # per head: a tile is 8 × 32 numbers, Z 480, L × b would be 768
     Q, K, V = qkv(L, L)
     made = largest_outputs(
         lambda: chunked.attention(Q, K, V, causal=causal, block_size=b).sum().backward())
     assert torch.Size(made[0]).numel() == N * MU * L * A_V  # Z (and dV): O(L·a)
-    assert not any(len(shape) == 4 and shape[2:] == (L, b) for shape in made)
-    assert max(torch.Size(s).numel() for s in made if s[-1:] == (b,)) == N * MU * b * b
+    assert not any(len(shape) == 4 and (shape[2:] == (L, b) or shape[2:] == (b, L))
+                   for shape in made)
+    tiles = [s for s in made if len(s) == 4 and s[2] == b and s[3] % b == 0]
+    assert max(torch.Size(s).numel() for s in tiles) == N * MU * b * chunked.SPAN * b
 
 
 # -- torch.compile -------------------------------------------------------------------------
