@@ -18,11 +18,15 @@ What the layer takes from where:
 * ``causal`` from ``module.is_causal``, the attention dropout and the train/eval mode from
   the module.
 
+* the attention patterns of equation (3): the sliding window this layer attends within
+  (``sliding_window``, per layer where ``config.layer_types`` says so), Gemma 2's logit
+  soft-capping (``attn_logit_softcapping``), gpt-oss's sinks (its ``sinks`` parameter, one
+  logit per head).
+
 What einattn's layer cannot compute yet raises :class:`~einattn.EinattnError` naming the
-option and the model: a sliding window active for this layer, logit soft-capping, attention
-sinks, normalised queries and keys (``q_norm``, ``k_norm``), a ``rope_type`` other than
-linear, dynamic, llama3 or yarn, cross-attention, and any class not in :data:`ROPE_STYLES`
-or GPT-2's. Nothing is left out silently.
+option and the model: normalised queries and keys (``q_norm``, ``k_norm``), a
+``rope_type`` other than linear, dynamic, llama3 or yarn, cross-attention, and any class
+not in :data:`ROPE_STYLES` or GPT-2's. Nothing is left out silently.
 
 ``transformers`` is never imported, here or by ``import einattn``: a module is recognised
 by its exact class (a subclass may have changed its forward, so it is refused).
@@ -30,6 +34,7 @@ by its exact class (a subclass may have changed its forward, so it is refused).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from . import layouts, rotary
@@ -47,6 +52,7 @@ ROPE_STYLES = {
     "Gemma2Attention": "half",
     "StableLmAttention": "half",  # partial rotary: the first rotary_ndims channels turn
     "GlmAttention": "interleaved",  # partial rotary, neighbouring channels paired
+    "GptOssAttention": "half",  # with sinks, biases and alternating sliding windows
 }
 GPT2 = "GPT2Attention"
 
@@ -97,20 +103,6 @@ def _refuse_what_einattn_lacks(module: nn.Module, config, who: str) -> None:
         if getattr(module, name, None) is not None:
             raise EinattnError(f"{who} normalises queries and keys per head ({name}) before "
                                f"the scores; einattn's layer has no such step")
-    if getattr(module, "sinks", None) is not None:
-        raise EinattnError(f"{who} has attention sinks (its 'sinks' parameter, one logit per "
-                           f"head in every softmax); einattn's layer has none yet")
-    softcap = getattr(module, "attn_logit_softcapping", None)
-    softcap = getattr(config, "attn_logit_softcapping", None) if softcap is None else softcap
-    if softcap is not None:
-        raise EinattnError(f"{who} caps its scores (attn_logit_softcapping={softcap}: "
-                           f"S → c·tanh(S/c)); einattn's layer has no soft-capping yet")
-    window = _sliding_window(module, config)
-    if window is not None:
-        raise EinattnError(f"{who} layer {getattr(module, 'layer_idx', None)} attends within a "
-                           f"sliding window (sliding_window={window}); einattn's layer has no "
-                           f"window mask yet. For sequences of at most {window} tokens the "
-                           f"window masks nothing: set config.sliding_window = None")
     if getattr(module, "is_cross_attention", False):
         raise EinattnError(f"{who} is a cross-attention module (is_cross_attention=True, keys "
                            f"from the encoder); einattn.hf.layer converts self-attention only")
@@ -157,13 +149,25 @@ def _rotary(module: nn.Module, config, style: str, who: str) -> MultiHeadAttenti
         b_q, b_k, b_v = (p.weight.new_zeros(p.weight.shape[0]) if p.bias is None
                          else p.bias.detach() for p in (q, k, v))
         b = layouts.fuse_qkv(b_q, b_k, b_v, **heads)
-    options = _rope_options(config, style, a, who)
-    try:  # the layer checks the RoPE options: its message, with the model's name
-        return MultiHeadAttention.from_fused(
+    options = {**_rope_options(config, style, a, who), **_patterns(module, config)}
+    try:  # the layer checks the options: its message, with the model's name
+        converted = MultiHeadAttention.from_fused(
             W, W_O, b, _detached(o.bias), n_kv_heads=n_kv_heads, causal=bool(module.is_causal),
             dropout=module.attention_dropout, scale=_scale(module, a), **options)
     except EinattnError as e:
         raise EinattnError(f"{who}: {e}") from None
+    if converted.sinks is not None:
+        with torch.no_grad():
+            converted.sinks.copy_(module.sinks)
+    return converted
+
+
+def _patterns(module: nn.Module, config) -> dict:
+    """The terms of equation (3) this module computes: its window, its softcap, its sinks."""
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    softcap = getattr(config, "attn_logit_softcapping", None) if softcap is None else softcap
+    return {"window": _sliding_window(module, config), "softcap": softcap,
+            "sinks": getattr(module, "sinks", None) is not None}
 
 
 def _rope_options(config, style: str, d_head: int, who: str) -> dict:
