@@ -197,7 +197,7 @@ def _spans(tiles, block_size: int) -> list:
 
 def _grid(Q, K, pattern):
     """The index grid the pattern's pieces read, or None where it has none."""
-    if not (pattern.masks or pattern.scores):
+    if len(pattern.masks) + len(pattern.scores) == 0:
         return None
     return _patterns.grid(Q.shape[0], Q.shape[1], Q.shape[2], K.shape[2], Q.device)
 

@@ -189,7 +189,7 @@ class Pattern:
     @property
     def only_masks(self) -> bool:
         """Whether the pattern only masks (so SDPA can take it as a mask)."""
-        return not self.scores and self.sinks is None
+        return len(self.scores) == 0 and self.sinks is None
 
     @property
     def causal_only(self) -> bool:

@@ -260,3 +260,25 @@ def test_a_default_compile_recompiles_once_for_a_new_length(impl):
         assert_close_scaled(compiled(x), layer(x), TOL[F64])
     assert counter.frame_count == 2
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+def test_compiled_patterns_equal_eager(impl):
+    """Every attention pattern at once (window, ALiBi, softcap, sinks, packed documents,
+    with GQA and RoPE) traces whole: forward and every gradient, the sinks' included."""
+    torch._dynamo.reset()
+    layer = MultiHeadAttention(24, 6, n_kv_heads=2, causal=True, window=3, alibi=True,
+                               softcap=5.0, sinks=True, impl=impl, block_size=4, rope="half",
+                               dtype=F64)
+    with torch.no_grad():
+        layer.sinks.copy_(randn(6, seed=5))
+    x = randn(2, 11, 24, seed=6, requires_grad=True)
+    ids = torch.tensor([[0] * 5 + [1] * 6, [0] * 11])
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    wrt = [x, layer.sinks, layer.W, layer.W_O]
+    Y, Y_eager = compiled(x, document_ids=ids), layer(x, document_ids=ids)
+    assert_close_scaled(Y, Y_eager, TOL[F64])
+    for g, g_eager in zip(torch.autograd.grad(Y.sum(), wrt),
+                          torch.autograd.grad(Y_eager.sum(), wrt), strict=True):
+        assert_close_scaled(g, g_eager, TOL[F64])
+    torch._dynamo.reset()
