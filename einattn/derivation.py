@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import circuits, functional, layouts, linear, masks, reference, rotary
+from . import pattern_steps as _pattern
 from .cache import KVCache
 from .notation import Equation
 
@@ -51,7 +52,8 @@ def with_value_width(s: dict[str, int]) -> dict[str, int]:
 # their indices at with_value_width(sizes): the self-attention steps' scores (σ = τ, whatever
 # L_k is); the circuits' W_QK (W_OV is as large); the per-head terms Y_μ, as large as A X in
 # the OV circuit; the linear-attention steps' prefix sums H. `einattn verify` refuses sizes
-# where the largest would not fit (RoPE's even a ≤ a + 1 < c).
+# where the largest would not fit (RoPE's even a ≤ a + 1 < c). Not bounded: the sink step's
+# logits with one more column, n μ τ (σ + 1), past S[n μ τ σ] only where σ > τ and S is largest.
 TENSORS = ("S[n μ τ τ]", "W_QK[μ i j]", "Y_μ[n μ τ i]", "H[n μ τ a c]", "H[n μ σ a c]")
 
 
@@ -319,11 +321,63 @@ def variation_mutations(s: dict[str, int]) -> list[Step]:
     ]
 
 
+# -- the attention patterns: the terms of equation (3), einattn.pattern_steps's forms --------
+
+def pattern_steps(s: dict[str, int]) -> list[Step]:
+    """The patterns' true steps, each at :func:`einattn.pattern_steps.pattern_sizes` (one
+    query fewer than keys at self-attention sizes), the documents' with no more queries
+    than keys; w is half the keys."""
+    p, packed = _pattern.pattern_sizes(s), _pattern.packed_sizes(s)
+    w, qkv = _pattern.window_width(p["σ"]), _pattern.QKV
+    return [
+        Step("sliding window, causal = its dense mask τ' − w < σ ≤ τ'",
+             *_pattern.window_forms(w, causal=True), p, exact=False, inputs=qkv),
+        Step("sliding window = its dense mask |τ' − σ| < w",
+             *_pattern.window_forms(w, causal=False), p, exact=False, inputs=qkv),
+        Step("softcap c·tanh(S/c) after the 1/√a scale, before B and M",
+             *_pattern.softcap_forms(_pattern.SOFTCAP, w), p, exact=False, inputs=qkv),
+        Step("sinks = softmax over σ and one more logit s_μ (its value zero)",
+             *_pattern.sink_forms(), p, exact=False, inputs=_pattern.SINKS),
+        Step("ALiBi −m_μ|τ' − σ| = BLOOM's +m_μ·σ under causal (a per-row shift)",
+             *_pattern.alibi_forms(), p, exact=False, inputs=qkv),
+        Step("documents = a block-diagonal mask", *_pattern.document_forms(causal=False),
+             packed, exact=False, inputs=_pattern.DOCUMENTS),
+        Step("packed documents, causal = each document alone, concatenated",
+             *_pattern.document_forms(causal=True), packed, exact=False,
+             inputs=_pattern.DOCUMENTS),
+    ]
+
+
+def pattern_mutations(s: dict[str, int]) -> list[Step]:
+    """Plausible wrong steps of the patterns, at the sizes of their true steps."""
+    p, packed = _pattern.pattern_sizes(s), _pattern.packed_sizes(s)
+    w, qkv = _pattern.window_width(p["σ"]), _pattern.QKV
+    causal_window, window = (_pattern.window_forms(w, causal)[0] for causal in (True, False))
+    wider, top_left = _pattern.wrong_windows(w)
+    capped = _pattern.softcap_forms(_pattern.SOFTCAP, w)[0]
+    capped_last, unscaled = _pattern.wrong_softcaps(_pattern.SOFTCAP, w)
+    alibi, (flipped, reversed_) = _pattern.alibi_forms()[0], _pattern.wrong_alibis()
+    return [
+        Step("window off by one: τ' − w ≤ σ, w + 1 keys", causal_window, wider, p, exact=False,
+             inputs=qkv),
+        Step("window aligned top-left: τ for τ'", window, top_left, p, exact=False, inputs=qkv),
+        Step("softcap after B and M", capped, capped_last, p, exact=False, inputs=qkv),
+        Step("softcap before the 1/√a scale", capped, unscaled, p, exact=False, inputs=qkv),
+        Step("sink counted in the first key's numerator", _pattern.sink_forms()[0],
+             _pattern.sink_in_a_numerator, p, exact=False, inputs=_pattern.SINKS),
+        Step("ALiBi with its sign flipped", alibi, flipped, p, exact=False, inputs=qkv),
+        Step("ALiBi slopes in reverse head order", alibi, reversed_, p, exact=False,
+             inputs=qkv),
+        Step("packed documents without their ids", _pattern.one_at_a_time,
+             _pattern.packed_without_ids, packed, exact=False, inputs=_pattern.DOCUMENTS),
+    ]
+
+
 # -- the registry ---------------------------------------------------------------------------
 
 def steps(sizes: dict[str, int] | None = None) -> list[Step]:
     """Every true step of docs/derivation.md at ``sizes`` (default: the worked example),
-    the variations' last."""
+    the variations' and the attention patterns' last."""
     s = default_sizes() if sizes is None else sizes
     self_sizes = {**s, "σ": s["τ"]}
     μ = s["μ"]
@@ -345,6 +399,7 @@ def steps(sizes: dict[str, int] | None = None) -> list[Step]:
         Step("whole layer = reshape form", layer, reshape, self_sizes, exact=False,
              inputs={"X": "n τ i", "W": "(μ B a) i", "W_O": "μ a i"}),
         *variation_steps(s),
+        *pattern_steps(s),
     ]
 
 
@@ -384,4 +439,5 @@ def mutations(sizes: dict[str, int] | None = None) -> list[Step]:
         Step("tiling (a μ) instead of interleaving (μ a)", "Y[n (μ a)] = T[n μ a]",
              "Y[n (a μ)] = T[n μ a]", s, exact=True),
         *variation_mutations(s),
+        *pattern_mutations(s),
     ]

@@ -301,6 +301,10 @@ def check_softcap(softcap) -> float:
 
 
 def _checked_ids(ids, n: int, L_q: int, L_k: int, device) -> torch.Tensor:
+    if L_q > L_k:
+        raise EinattnError(f"document_ids needs the queries among the keys (L_q ≤ L_k, the "
+                           f"queries being the last L_q): got L_q={L_q} queries and "
+                           f"L_k={L_k} keys")
     if not isinstance(ids, torch.Tensor) or ids.shape != (n, L_k):
         shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise EinattnError(f"document_ids has shape {shape} but must be (n, σ) = ({n}, {L_k}): "

@@ -7,9 +7,11 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
-from einattn import EinattnError, Equation, derivation
+from einattn import EinattnError, Equation, derivation, pattern_steps
 from einattn.derivation import Step, default_sizes, mutations, steps
+from einattn.masks import alibi_slopes
 from einattn.verify import assert_equivalent, check_equivalent
 
 SIZES = {
@@ -40,10 +42,20 @@ STEP_TOPICS = [
     "causal linear attention: prefix sums (L4)–(L6) = masked weights",
     "linear attention = its quadratic form (no softmax)",
     "causal linear attention = its causal quadratic form",
+    "sliding window, causal = its dense mask τ' − w < σ ≤ τ'",
+    "sliding window = its dense mask |τ' − σ| < w",
+    "softcap c·tanh(S/c) after the 1/√a scale, before B and M",
+    "sinks = softmax over σ and one more logit s_μ (its value zero)",
+    "ALiBi −m_μ|τ' − σ| = BLOOM's +m_μ·σ under causal (a per-row shift)",
+    "documents = a block-diagonal mask",
+    "packed documents, causal = each document alone, concatenated",
 ]
 MUTATION_TOPICS = ["swapped indices", "missing 1/√a scale", "wrong group order",
                    "transposed W_O", "off-by-one causal mask", "tiling (a μ)",
-                   "tiled GQA heads", "strict prefix"]
+                   "tiled GQA heads", "strict prefix", "window off by one",
+                   "window aligned top-left", "softcap after B and M",
+                   "softcap before the 1/√a scale", "sink counted in", "sign flipped",
+                   "reverse head order", "documents without their ids"]
 
 
 def named(registry: list[Step], name: str) -> Step:
@@ -136,14 +148,59 @@ def test_no_step_holds_vacuously(name):
 @pytest.mark.parametrize("label", list(SIZES))
 def test_steps_use_the_sizes_they_are_given(label):
     """The derivation's own steps use the sizes as given (σ = τ for self-attention); the
-    variations' steps add their indices (g, r, C, c) and keep n, τ and i."""
+    variations' steps add their indices (g, r, C, c) and keep n, τ and i; the patterns'
+    keep every size but take one query fewer at self-attention sizes (τ' ≠ τ)."""
     sizes = SIZES[label]
     variations = derivation.variation_steps(sizes) + derivation.variation_mutations(sizes)
+    patterns = derivation.pattern_steps(sizes) + derivation.pattern_mutations(sizes)
     for step in steps(sizes) + mutations(sizes):
         if step.name in {v.name for v in variations}:
             assert all(step.sizes[k] == sizes[k] for k in "nτ"), step.name
+        elif step.name in {p.name for p in patterns}:
+            assert all(step.sizes[k] == sizes[k] for k in "nσiμa"), step.name
+            assert step.sizes["τ"] == sizes["τ"] - (sizes["σ"] == sizes["τ"]), step.name
         else:
             assert step.sizes in (sizes, {**sizes, "σ": sizes["τ"]}), step.name
+
+
+@pytest.mark.parametrize("s, pattern, packed", [
+    ({"τ": 5, "σ": 5}, {"τ": 4, "σ": 5}, {"τ": 4, "σ": 5}),
+    ({"τ": 1, "σ": 1}, {"τ": 1, "σ": 2}, {"τ": 1, "σ": 2}),
+    ({"τ": 5, "σ": 6}, {"τ": 5, "σ": 6}, {"τ": 5, "σ": 6}),
+    ({"τ": 7, "σ": 4}, {"τ": 7, "σ": 4}, {"τ": 4, "σ": 4}),
+], ids=["self", "one query", "more keys", "fewer keys"])
+def test_the_patterns_sizes_keep_queries_and_keys_apart(s, pattern, packed):
+    """Self-attention sizes give one query fewer (a key more for a single query), so that a
+    pattern aligned top-left is caught; documents take no more queries than keys."""
+    assert pattern_steps.pattern_sizes(s) == pattern
+    assert pattern_steps.packed_sizes(s) == packed
+
+
+# Fewer keys than queries: the first queries see no key under causal (zeros); documents
+# then run at τ = σ, their queries' ids being the keys' last L_q.
+FEWER_KEYS = default_sizes(n=3, L=7, d_model=20, n_heads=5, L_k=4)
+
+
+@pytest.mark.parametrize("name", [s.name for s in derivation.pattern_steps(FEWER_KEYS)])
+def test_every_pattern_step_holds_with_fewer_keys_than_queries(name):
+    step = named(derivation.pattern_steps(FEWER_KEYS), name)
+    assert step.sizes["τ"] > step.sizes["σ"] or "documents" in name
+    report = check(step, exact=False)
+    assert report.equal, str(report)
+
+
+@pytest.mark.parametrize("name", [s.name for s in derivation.pattern_mutations(FEWER_KEYS)])
+def test_every_pattern_mutation_is_rejected_with_fewer_keys_than_queries(name):
+    report = check(named(derivation.pattern_mutations(FEWER_KEYS), name), exact=False)
+    assert not report.equal and report.max_deviation > report.tolerance, str(report)
+
+
+@pytest.mark.parametrize("h", range(1, 33))
+def test_the_alibi_steps_bloom_slopes_are_einattns(h):
+    """The ALiBi step's right side draws its slopes by BLOOM's own formula; they are
+    einattn.masks.alibi_slopes for every head count, powers of two or not."""
+    torch.testing.assert_close(pattern_steps.bloom_slopes(h, torch.float64),
+                               alibi_slopes(h, dtype=torch.float64), rtol=1e-15, atol=0)
 
 
 def test_the_steps_cover_the_derivation():
