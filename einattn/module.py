@@ -129,7 +129,7 @@ class MultiHeadAttention(nn.Module):
         ``A[n μ τ σ]`` as applied (after dropout). ``return_intermediates=True`` returns
         ``(Y, stages)``: a dict of every intermediate by its equation name
         (Q, K, V, S, A, Z, Y_μ, Y). ``impl`` overrides the constructor's ("einsum",
-        "sdpa" or "chunked"); all three share the parameters and agree. ``positions``
+        "sdpa", "chunked" or "flex"); all four share the parameters and agree. ``positions``
         (``(L,)`` or ``(n, L)`` integers) places the tokens for RoPE; by default they follow
         the tokens already in ``cache``. With ``cache`` (a :class:`~einattn.KVCache`),
         this call's keys and values are appended to it and attention runs over all of it:

@@ -60,12 +60,12 @@ def _causal(shift: int) -> patterns.Pattern:
 
 
 def _routed(impl: str, pattern: patterns.Pattern) -> str:
-    """Where ``impl`` runs this pattern: SDPA takes masks only (a softcap or a sink runs
-    the einsum path's equations); under ``torch.compile`` the einsum path runs as SDPA,
-    which Inductor fuses, where SDPA can take the pattern."""
-    if impl == "sdpa" and not pattern.only_masks:
+    """Where ``impl`` runs this pattern: SDPA takes masks and biases (ALiBi) as its mask; a
+    softcap or a sink runs the einsum path's equations. Under ``torch.compile`` the einsum
+    path runs as SDPA, which Inductor fuses, where SDPA can take the pattern."""
+    if impl == "sdpa" and not pattern.additive:
         return "einsum"
-    if impl == "einsum" and pattern.only_masks and torch.compiler.is_compiling():
+    if impl == "einsum" and pattern.additive and torch.compiler.is_compiling():
         return "sdpa"
     return impl
 
@@ -89,8 +89,9 @@ def _sdpa(Q, K, V, mask, pattern, dropout: float) -> torch.Tensor:
     # top-left = bottom-right; an `if`, not bool(): under dynamic shapes L_q == L_k is a
     # SymBool that SDPA refuses, and a branch makes dynamo guard on it instead
     is_causal = True if pattern.causal_only and mask is None and L_q == L_k else False
-    if pattern.masks and not is_causal:
-        mask = masks.combine(mask, pattern.allowed(patterns.grid(n, μ, L_q, L_k, Q.device)))
+    if (pattern.masks or pattern.scores) and not is_causal:  # folded into SDPA's mask
+        at = patterns.grid(n, μ, L_q, L_k, Q.device)
+        mask = masks.combine(mask, pattern.allowed(at), pattern.bias(at))
     if _softmax.transformed():  # the fused kernels have no vmap or forward-AD rule
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(Q, K, V, mask, dropout, is_causal,

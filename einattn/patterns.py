@@ -147,6 +147,7 @@ class Softcap:
 
     c: float
     LATEX = r"\operatorname{cap}(S)_{n\mu\tau\sigma} = c \tanh\left(S_{n\mu\tau\sigma} / c\right)"
+    ADDITIVE = False  # a function of S, not a term added to it
 
     def score(self, S, n, mu, tau, sigma):
         return torch.tanh(S / self.c) * self.c
@@ -163,9 +164,13 @@ class ALiBi:
     slopes: torch.Tensor  # m[μ]
     shift: int
     LATEX = r"B_{\mu\tau\sigma} = -m_\mu \left|\tau' - \sigma\right|"
+    ADDITIVE = True  # S + B: SDPA takes B as its float mask
 
     def score(self, S, n, mu, tau, sigma):
         return S - self.slopes[mu] * (tau + self.shift - sigma).abs()
+
+    def bias(self, n, mu, tau, sigma):
+        return -self.slopes[mu] * (tau + self.shift - sigma).abs()
 
     def grad(self, S, dS):
         return dS
@@ -188,8 +193,21 @@ class Pattern:
 
     @property
     def only_masks(self) -> bool:
-        """Whether the pattern only masks (so SDPA can take it as a mask)."""
+        """Whether the pattern only masks: no score term, no sink."""
         return len(self.scores) == 0 and self.sinks is None
+
+    @property
+    def additive(self) -> bool:
+        """Whether every score term is a bias added to S (no cap) and there is no sink:
+        then the pattern is a mask and a bias, which SDPA takes as its float mask."""
+        return self.sinks is None and all(piece.ADDITIVE for piece in self.scores)
+
+    def bias(self, at: Grid) -> torch.Tensor | None:
+        """``B`` at the indices ``at``: the additive terms summed (None: no term)."""
+        B = None
+        for piece in self.scores:
+            B = piece.bias(*at) if B is None else B + piece.bias(*at)
+        return B
 
     @property
     def causal_only(self) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from einattn import Equation
+from einattn import Equation, patterns
 from einattn import functional as F
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -54,7 +54,22 @@ HAND_WRITTEN = {
                           r" + L_k - L_q \\ -\infty & \text{otherwise} \end{cases}"),
     "concatenation": (None, r"Y_{n \tau i} = \sum_{(\mu a)} H_{n \tau (\mu a)} (W_{o})_{i (\mu a)}"
                             r" = \sum_{\mu} \sum_{a} Z_{n \mu \tau a} (W_{O})_{\mu a i}"),
+    # (3) with every term of einattn.patterns: functional.attention's docstring has its text
+    "attention patterns": (None, r"A_{n\mu\tau\sigma} = \operatorname{softmax}_{\sigma}\left("
+                                 r"\operatorname{cap}(S)_{n\mu\tau\sigma} + B_{\mu\tau\sigma} + "
+                                 r"M_{n\mu\tau\sigma}\right)"),
 }
+
+# The pieces of einattn.patterns, each shown as its LATEX beside its index function:
+# (class, the function whose source docs/derivation.md quotes).
+PIECES = [
+    (patterns.Causal, "allowed"),
+    (patterns.Window, "allowed"),
+    (patterns.Documents, "allowed"),
+    (patterns.Softcap, "score"),
+    (patterns.ALiBi, "score"),
+]
+PATTERN_LATEX = [cls.LATEX for cls, _ in PIECES] + [patterns.SINK_LATEX]
 
 DISPLAY = re.compile(r"^\$\$\n(.*?)\n\$\$$", re.M | re.S)
 TAG = re.compile(r"\s*\\tag\{([^}]*)\}$")
@@ -85,6 +100,7 @@ def equation_problems(doc: str) -> list[str]:
     """Every way the display equations of ``doc`` disagree with einattn.functional."""
     expected = {latex_of(m, c): tag for tag, m, c, _ in SHOWN if c != "SOFTMAX"}
     expected |= {latex: tag for tag, latex in HAND_WRITTEN.values()}
+    expected |= dict.fromkeys(PATTERN_LATEX)  # untagged: terms of (3), not stages
     found = displays(doc)
     problems = [f"hand-written display {name!r} is not in the doc" for name, (_, latex)
                 in HAND_WRITTEN.items() if latex not in {f[2] for f in found}]
@@ -139,6 +155,8 @@ MUTATIONS = [  # (old, new): each edit of the doc must be reported
     ("`einattn.functional.weighted_values(A, V)`", "`weighted_values(A, V)`"),
     ("## 5. Masks\n", "## 5. Masks\n\n$$\nM = 0\n$$\n"),
     ("$$\n(a\\, i) = a \\cdot p + i\n$$\n", ""),
+    (r"0 & \sigma \le \tau' \\", r"0 & \sigma < \tau' \\"),  # the causal piece's LaTeX
+    (r"\exp s_\mu +", r"1 +"),  # the sink's
 ]
 
 
@@ -176,6 +194,32 @@ def test_module_docstring_lists_the_equation(tag, constant):
     assert " ".join(text_of(constant).split()) in lines[f"({tag})"]
 
 
+def test_derivation_shows_every_pattern_piece_as_its_latex_and_its_code():
+    """Each piece of einattn.patterns (and the sink) is a display of its LATEX, verbatim, and
+    the code shown for it is its own index function's source: docs and code cannot drift."""
+    doc = DERIVATION.read_text(encoding="utf-8")
+    general = next(line.strip() for line in inspect.getdoc(F.attention).splitlines()
+                   if "cap(S[n μ τ σ])" in line)  # (3) with every term, as attention() has it
+    general = general.split("   (")[0]  # without its trailing "(+ a sink s[μ])"
+    assert f"```text\n{general}\n```" in doc, general
+    shown = [latex for _, _, latex, _ in displays(doc)]
+    for latex in PATTERN_LATEX:
+        assert latex in doc, latex
+        assert shown.count(latex) == 1, latex
+    for cls, function in PIECES:
+        source = inspect.getsource(getattr(cls, function))  # indented as in its class
+        assert f"class {cls.__name__}:  # einattn/patterns.py, excerpt\n{source}" in doc, \
+            f"docs/derivation.md does not quote {cls.__name__}.{function} as it is:\n{source}"
+
+
+def test_every_pattern_piece_is_shown():
+    """A new piece (a class with LATEX in einattn.patterns) needs its place in PIECES."""
+    pieces = {cls for cls in vars(patterns).values()
+              if isinstance(cls, type) and cls.__module__ == patterns.__name__
+              and hasattr(cls, "LATEX")}
+    assert pieces == {cls for cls, _ in PIECES}
+
+
 def test_derivation_has_a_trace_checked_against_the_reference():
     blocks = [code for lang, code in FENCE.findall(DERIVATION.read_text(encoding="utf-8"))
               if lang == "python"]
@@ -191,7 +235,10 @@ def test_python_blocks_run(path):
         for m in FENCE.finditer(doc):
             if m.group(1) == "python":
                 padding = "\n" * doc.count("\n", 0, m.start(2))
-                exec(compile(padding + m.group(2), str(path), "exec"), namespace)
+                # dont_inherit: a block runs as a script would, without this module's
+                # `from __future__ import annotations` (a block's @dataclass needs that)
+                code = compile(padding + m.group(2), str(path), "exec", dont_inherit=True)
+                exec(code, namespace)
 
 
 def _slug(heading: str) -> str:
