@@ -79,6 +79,10 @@ def _stages(impl: str, Q, K, V, M, pattern, dropout: float, block_size: int,
     if dropout:
         raise EinattnError(f"impl={impl!r} has no dropout (got dropout={dropout}); use "
                            f"impl='einsum' or 'sdpa' while training with dropout")
+    if pattern.learned_slopes:
+        raise EinattnError(f"impl={impl!r} takes ALiBi's slopes as constants, but this alibi "
+                           f"tensor requires grad (learned slopes): use impl='einsum' or "
+                           f"'sdpa', whose slopes get their gradient")
     if impl == "chunked":
         return {"Z": chunked.attention(Q, K, V, mask=M, pattern=pattern, block_size=block_size)}
     return {"Z": flex.attention(Q, K, V, M, pattern)}

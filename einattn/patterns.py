@@ -197,6 +197,12 @@ class Pattern:
         return len(self.scores) == 0 and self.sinks is None
 
     @property
+    def learned_slopes(self) -> bool:
+        """Whether ALiBi's slopes are a tensor that wants a gradient (learned slopes)."""
+        return torch.is_grad_enabled() and any(
+            isinstance(piece, ALiBi) and piece.slopes.requires_grad for piece in self.scores)
+
+    @property
     def additive(self) -> bool:
         """Whether every score term is a bias added to S (no cap) and there is no sink:
         then the pattern is a mask and a bias, which SDPA takes as its float mask."""
@@ -283,7 +289,7 @@ def build(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dtype, devic
           causal: bool = False, window=None, softcap=None, alibi=False, sinks=None,
           document_ids=None) -> Pattern:
     """The pattern of one call, its options checked (each error names its option)."""
-    shift = L_k - L_q
+    shift, device = L_k - L_q, torch.device(device)
     masks = []
     if causal and L_q > 1:  # one query aligned bottom-right sees every key
         masks.append(Causal(shift))

@@ -63,6 +63,20 @@ def _mask(*shape: int, dtype=torch.bool) -> torch.Tensor:
     return torch.ones(*shape, dtype=dtype)
 
 
+def _ids(*shape: int, dtype=torch.long) -> torch.Tensor:
+    """Document ids d[n σ] (all one document) of this shape and dtype."""
+    return torch.zeros(*shape, dtype=dtype)
+
+
+def _cached_then(**kwargs):
+    """A call with a cache that holds document ids, then a second call with kwargs."""
+    def call():
+        layer, cache = _layer(causal=True), einattn.KVCache()
+        layer(_x(), cache=cache, document_ids=_ids(N, L_Q))
+        layer(_x(N, 1, D), cache=cache, **kwargs)
+    return call
+
+
 def _to_torch_with_d_head_7():
     return _layer(d_head=7).to_torch()
 
@@ -331,6 +345,38 @@ BAD = {
                                                                   device="meta")),
                               r"key_padding_mask is on meta but the scores are on cpu"),
     "x-meta": (lambda: _layer()(_x().to("meta")), r"x is on meta but the layer's W is on cpu"),
+    # -- attention patterns (einattn/patterns.py; the functional ones in test_patterns.py) ------
+    **{f"window-{v}": (lambda v=v: _layer(window=v),
+                       rf"window \(the number of keys σ a query τ sees, itself included\) must "
+                       rf"be an int ≥ 1, got {v}")
+       for v in (0, 2.5, -1, True)},
+    **{f"softcap-{v}": (lambda v=v: _layer(softcap=v),
+                        rf"softcap \(c in cap\(S\) = c · tanh\(S / c\)\) must be a finite number "
+                        rf"> 0, got {v}")
+       for v in (0, -1.0, float("inf"), True)},
+    "document_ids-shape": (lambda: _layer()(_x(), document_ids=_ids(N, L_K)),
+                           r"document_ids has shape \(2, 7\) but must be \(n, σ\) = \(2, 5\): one "
+                           r"document id d\[n σ\] per key \(the queries' are the last L_q=5\)"),
+    "document_ids-cross-attention-shape": (_cross(document_ids=_ids(N, L_Q)),
+                                           r"document_ids has shape \(2, 5\) but must be "
+                                           r"\(n, σ\) = \(2, 7\)"),
+    "document_ids-float": (lambda: _layer()(_x(), document_ids=_ids(N, L_Q, dtype=F64)),
+                           r"document_ids must hold integers \(one id per document\), got "
+                           r"torch\.float64"),
+    "document_ids-bool": (lambda: _layer()(_x(), document_ids=_ids(N, L_Q, dtype=torch.bool)),
+                          r"document_ids must hold integers .*got torch\.bool"),
+    "document_ids-cache-shape": (lambda: _layer()(_x(), cache=einattn.KVCache(),
+                                                  document_ids=_ids(N, 3)),
+                                 r"with a cache, document_ids marks this call's new keys: shape "
+                                 r"\(n, σ\) = \(2, 5\), got \(2, 3\)"),
+    "document_ids-cache-not-every-call": (_cached_then(document_ids=None),
+                                          r"document_ids must be given on every call with this "
+                                          r"cache or on none"),
+    "flex-requires-grad": (lambda: _layer(impl="flex", window=3)(_x()),
+                           r"impl='flex' has no backward on the CPU .*train with "
+                           r"impl='chunked'.* or call under torch\.no_grad\(\)"),
+    "flex-dropout": (lambda: _layer(impl="flex", dropout=0.1)(_x()),
+                     r"impl='flex' has no dropout \(got dropout=0\.1\)"),
 }
 
 
