@@ -3,12 +3,15 @@
 einattn's einsum, sdpa and chunked paths against the lean textbook reshape form,
 ``nn.MultiheadAttention`` and a hand-fused Linear + ``F.scaled_dot_product_attention``, on
 the same weights: interleaved medians and spread, forward and forward+backward, ratios,
-eager against ``torch.compile``, and peak memory in a subprocess per form. It prints the
-issue's targets as PASS, FAIL or SKIP and asserts nothing. See docs/performance.md.
+eager against ``torch.compile``, and peak memory in a subprocess per form; then a causal
+sliding window by einattn's chunked, einsum and flex paths against SDPA with a dense mask and
+a hand-written compiled FlexAttention. It prints the issues' targets as PASS, FAIL or SKIP
+and asserts nothing. See docs/performance.md.
 
     python benchmarks/attention.py [--quick] [--json] [--no-compile] [--no-memory]
-                                   [--sizes N,L,D,H ...] [--repeats R] [--threads T]
-                                   [--clock wall|cpu]
+                                   [--sizes N,L,D,H ...] [--section layer|patterns ...]
+                                   [--pattern-sizes N,H,L,A,W ...] [--repeats R]
+                                   [--threads T] [--clock wall|cpu]
 """
 
 from __future__ import annotations

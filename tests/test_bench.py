@@ -1,7 +1,8 @@
-"""The benchmark (einattn.bench, ``einattn bench``): the forms it times compute the same layer,
-its report has every form with positive finite medians and ratios, its targets read the rows
-they name, its memory method sees a tensor it knows is there. No timing assertions: speed
-lives in the benchmark's own output (STYLE §6)."""
+"""The benchmark (einattn.bench, ``einattn bench``): the forms it times compute the same layer
+(and, in the patterns section, the same sliding window), its report has every form with
+positive finite medians and ratios, its targets read the rows they name, its sections run as
+chosen, its memory method sees a tensor it knows is there. No timing assertions: speed lives
+in the benchmark's own output (STYLE §6)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def positive(x) -> bool:
 
 def test_quick_json_times_every_form_in_both_modes(quick):
     assert set(quick) == {"machine", "settings", "paths", "skipped", "timings", "compile",
-                          "memory", "targets", "seconds"}
+                          "memory", "patterns", "targets", "seconds"}
     assert set(quick["paths"]) == set(bench.PATHS)
     assert set(quick["skipped"]) <= {"chunked"}  # only the form still being written
     assert all(quick["skipped"].values())  # a skip says why
@@ -279,3 +280,205 @@ def test_memory_growth_sees_the_scores():
     row = bench.measure_memory(512, skip)
     assert row.errors == {} and set(row.growth) == {"textbook"}
     assert row.growth["textbook"] >= 4 * 512 * 512 * 4
+
+
+# -- the patterns section: a causal sliding window -------------------------------------------
+
+def test_quick_json_times_the_window_in_both_modes(quick):
+    """The quick run's patterns section at its tiny size: every form but the compiled flex
+    ones (--no-compile) in both modes, ratios of medians, each Z that of its pattern."""
+    section = quick["patterns"]
+    assert set(section) == {"paths", "skipped", "timings", "setup", "memory"}
+    assert set(section["skipped"]) >= set(bench.FLEX_FORMS)
+    assert section["skipped"]["flex"] == "--no-compile"
+    assert section["memory"] == {"skipped": "--no-memory"}
+    expected = set(bench.PATTERN_FORMS) - set(section["skipped"])
+    assert "sdpa_dense" in expected and "einsum" in expected
+    rows = section["timings"]
+    assert [r["mode"] for r in rows] == list(bench.MODES)
+    for row in rows:
+        assert row["size"] == bench.QUICK_PATTERN_SIZES[0].as_json()
+        assert set(row["paths"]) == expected
+        base = row["paths"]["sdpa_dense"]["median_s"]
+        for name, t in row["paths"].items():
+            assert positive(t["median_s"]) and t["vs_flex_compiled"] is None, name
+            assert t["vs_sdpa_dense"] == pytest.approx(t["median_s"] / base, rel=1e-12)
+            assert t["max_deviation"] < 1e-5, name
+    assert [s["size"] for s in section["setup"]] == [rows[0]["size"]]
+    assert positive(section["setup"][0]["seconds"]["dense mask"])
+
+
+def test_quick_text_has_the_window_and_its_targets(quick):
+    status, out, err = einattn(*QUICK)
+    assert status == 0 and "einattn bench: timing the window (1, 2, 64, 8) w=16" in err
+    assert "(1, 2, 64, 8) w=16  n=1 μ=2 τ=σ=64 a=8, window of 16 keys" in out
+    assert "skipped: compiled flex (hand-written): --no-compile" in out
+    found = {(t["target"], t["where"]): t for t in quick["targets"]}
+    issue = bench.PATTERN_SIZES[0].label
+    assert found["window: chunked ≤ 0.3× SDPA (dense mask)", f"{issue} both modes"]["note"] \
+        == "no such size was run"
+    assert found["window: chunked peak memory ≤ 1.0× without", "L=8192 forward+backward"] \
+        == {"target": "window: chunked peak memory ≤ 1.0× without",
+            "where": "L=8192 forward+backward", "value": None, "limit": 1.0, "spread": None,
+            "verdict": "SKIP", "note": "--no-memory"}
+
+
+@pytest.mark.parametrize("section, ran, not_ran", [
+    ("patterns", "attention patterns: a causal sliding window", "textbook (reshape)"),
+    ("layer", "textbook (reshape)", "attention patterns"),
+])
+def test_section_chooses_what_runs(section, ran, not_ran):
+    argv = [*QUICK, "--repeats", "1", "--section", section]
+    status, out, _ = einattn(*argv, "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["settings"]["sections"] == [section]
+    if section == "patterns":
+        assert doc["timings"] == [] and doc["compile"] == {"skipped": "--no-compile"}
+        assert all(t["target"] in PATTERN_TARGETS for t in doc["targets"])
+    else:
+        assert doc["patterns"] == {"skipped": "--section layer"}
+        assert not any(t["target"] in PATTERN_TARGETS for t in doc["targets"])
+    status, out, _ = einattn(*argv)
+    assert status == 0 and ran in out and not_ran not in out
+
+
+PATTERN_TARGETS = {"window: chunked ≤ 0.3× SDPA (dense mask)",
+                   "window: chunked ≤ 1.5× compiled flex",
+                   'window: impl="flex" ≤ 1.1× compiled flex',
+                   "window: chunked peak memory ≤ 1.0× without"}
+
+
+def test_sections_and_pattern_sizes_in_settings():
+    assert bench.SECTIONS == cli.bench.SECTIONS  # the command line names them unimported
+    full = bench.Settings.build()
+    assert full.sections == bench.SECTIONS and full.pattern_sizes == bench.PATTERN_SIZES
+    assert full.pattern_memory_lengths == (8192,) and full.why_no_flex == ""
+    assert bench.Settings.build(quick=True).why_no_flex == "--quick runs no compile"
+    mine = bench.Settings.build(sections=("patterns",), compile=False, memory=False,
+                                pattern_sizes=(bench.PatternSize(1, 2, 3, 4, 5),))
+    assert mine.sizes == mine.compile_sizes == mine.memory_lengths == ()
+    assert mine.why_no_compile == "--no-compile" and mine.why_no_memory == "--no-memory"
+    assert mine.why_no_flex == "--no-compile" and mine.pattern_memory_lengths == ()
+    assert mine.pattern_sizes == (bench.PatternSize(1, 2, 3, 4, 5),)
+    patterns = bench.Settings.build(sections=("patterns",))
+    assert patterns.why_no_compile == patterns.why_no_memory == "--section patterns"
+    assert patterns.pattern_memory_lengths == (8192,) and patterns.why_no_flex == ""
+    layer = bench.Settings.build(sections=("layer",))
+    assert layer.sizes == bench.SIZES and layer.pattern_sizes == layer.pattern_memory_lengths == ()
+    with pytest.raises(EinattnError, match="section must be one of 'layer', 'patterns', got 'x'"):
+        bench.Settings.build(sections=("x",))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1,4,4096,64", "five positive integers"),
+    ("1,4,4096,64,0", "five positive integers"),
+    ("1,4,x,64,256", "five positive integers"),
+    ("1,4,20000,64,256", "bench at (1, 4, 20000, 64) w=256 would hold S[n μ τ σ]"),
+])
+def test_bad_pattern_sizes_are_one_line_usage_errors(text, message):
+    if "would hold" not in message:
+        with pytest.raises(ValueError, match=message):
+            bench.parse_pattern_size(text)
+    status, out, err = einattn("bench", "--pattern-sizes", text)
+    assert status == 2 and out == "" and err.count("\n") == 1 and message in err
+
+
+def test_an_unknown_section_is_a_usage_error():
+    status, out, err = einattn("bench", "--section", "window")
+    assert status == 2 and out == "" and "invalid choice: 'window'" in err
+
+
+def test_window_mask():
+    """τ sees τ − w < σ ≤ τ: at w = 2, itself and the key before it."""
+    assert bench.window_mask(4, 2).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0],
+                                                      [0, 1, 1, 0], [0, 0, 1, 1]]
+    assert bench.window_mask(3, 5).equal(torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+def window_reference(Q, K, V, allowed):
+    """softmax(Q Kᵀ / √a, over the allowed keys) V, by hand."""
+    S = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])
+    return torch.softmax(S.masked_fill(~allowed, float("-inf")), dim=-1) @ V
+
+
+@pytest.mark.parametrize("size", [bench.PatternSize(2, 3, 37, 5, 7),
+                                  bench.PatternSize(1, 2, 19, 6, 25)], ids=lambda s: s.label)
+def test_every_eager_window_form_is_the_same_attention(size):
+    """In float64, every form but the compiled flex ones gives the hand-written reference's Z
+    and dQ, dK, dV for its pattern (the window's; the causal one without it)."""
+    names = tuple(p for p in bench.PATTERN_FORMS if p not in bench.FLEX_FORMS)
+    forms, setup = bench.pattern_forms(size, names)
+    assert set(forms) == set(names) and set(setup) == {"dense mask"}
+    Q, K, V, dZ = bench.pattern_inputs(size, dtype=torch.float64)
+    for name, form in forms.items():
+        allowed = bench.window_mask(size.L, size.L if name == "chunked_causal" else size.window)
+        leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
+        window_reference(*leaves, allowed).backward(dZ)
+        assert_close_scaled(form(Q, K, V), window_reference(Q, K, V, allowed), TOL[torch.float64])
+        mine = [t.clone().requires_grad_() for t in (Q, K, V)]
+        form(*mine).backward(dZ)
+        for got, want in zip(mine, leaves, strict=True):
+            assert_close_scaled(got.grad, want.grad, TOL[torch.float64])
+
+
+def test_the_hand_written_flex_is_the_window():
+    """The one compiled case: the hand-written FlexAttention call (float32, forward) gives
+    the window's Z, and its BlockMask's cost is reported apart from the call."""
+    if bench.pattern_skipped(bench.Settings.build()).get("flex_compiled"):
+        pytest.skip("no FlexAttention or torch.compile here")
+    size = bench.PatternSize(1, 2, 256, 16, 64)
+    forms, setup = bench.pattern_forms(size, ("flex_compiled",))
+    assert set(setup) == {"dense mask", "create_block_mask first call", "create_block_mask"}
+    Q, K, V, _ = bench.pattern_inputs(size)
+    with torch.no_grad():
+        Z = forms["flex_compiled"](Q, K, V)
+    assert_close_scaled(Z, window_reference(Q, K, V, bench.window_mask(size.L, size.window)),
+                        TOL[torch.float32])
+
+
+def test_pattern_targets_read_the_rows_they_name():
+    """At issue 19's size only: chunked against the dense SDPA in both modes, against the
+    hand-written compiled flex forward, impl="flex" against it, and the window's memory."""
+    size, t = bench.PATTERN_SIZES[0], bench.Timing
+    report = bench.Report(bench.Settings.build(sections=("patterns",)))
+    report.patterns.rows = [
+        bench.PatternRow(size, "forward", {"sdpa_dense": t((1.0,), 1), "chunked": t((0.3,), 1),
+                                           "flex_compiled": t((0.2,), 1),
+                                           "flex": t((0.23,), 1)}),
+        bench.PatternRow(size, "forward+backward", {"sdpa_dense": t((1.0,), 1),
+                                                    "chunked": t((0.31,), 1)}),
+        bench.PatternRow(bench.PatternSize(1, 4, 1024, 64, 256), "forward",
+                         {"sdpa_dense": t((1.0,), 1), "chunked": t((0.9,), 1)}),  # not named
+    ]
+    report.patterns.memory = [bench.MemoryRow(8192, {"chunked": 90, "chunked_causal": 100}, {})]
+    assert verdicts(report) == {
+        ("window: chunked ≤ 0.3× SDPA (dense mask)", f"{size.label} forward"): "PASS",
+        ("window: chunked ≤ 0.3× SDPA (dense mask)", f"{size.label} forward+backward"): "FAIL",
+        ("window: chunked ≤ 1.5× compiled flex", f"{size.label} forward"): "PASS",
+        ('window: impl="flex" ≤ 1.1× compiled flex', f"{size.label} forward"): "FAIL",
+        ("window: chunked peak memory ≤ 1.0× without", "L=8192 forward+backward"): "PASS",
+    }
+    report.patterns.memory[0].growth["chunked"] = 101
+    assert verdicts(report)["window: chunked peak memory ≤ 1.0× without",
+                            "L=8192 forward+backward"] == "FAIL"
+
+
+def test_a_form_left_out_is_noted_at_its_targets():
+    size, t = bench.PATTERN_SIZES[0], bench.Timing
+    report = bench.Report(bench.Settings.build(sections=("patterns",), compile=False))
+    report.patterns.skipped = dict.fromkeys(bench.FLEX_FORMS, "--no-compile")
+    report.patterns.rows = [bench.PatternRow(size, "forward", {"sdpa_dense": t((1.0,), 1),
+                                                               "chunked": t((0.2,), 1)})]
+    found = {t.target: t for t in bench.targets(report)}
+    assert found["window: chunked ≤ 0.3× SDPA (dense mask)"].verdict == "PASS"
+    for target in ("window: chunked ≤ 1.5× compiled flex",
+                   'window: impl="flex" ≤ 1.1× compiled flex'):
+        assert (found[target].verdict, found[target].note) == ("SKIP", "--no-compile")
+
+
+def test_pattern_memory_sees_the_gradients():
+    """One subprocess: chunked's forward+backward with the window at L=2048, 4 heads of 64
+    channels, makes dQ, dK and dV, 2 MiB each, so the measured growth is at least that."""
+    row = bench.measure_pattern_memory(bench.PatternSize(1, 4, 64, 64, 128), 2048, ("chunked",))
+    assert row.errors == {} and set(row.growth) == {"chunked"}
+    assert row.growth["chunked"] >= 3 * 4 * 2048 * 64 * 4

@@ -1,8 +1,11 @@
-"""The benchmark: einattn's three paths against three PyTorch forms of the same layer.
+"""The benchmark: einattn's three paths against three PyTorch forms of the same layer, and a
+causal sliding window against SDPA with a dense mask and compiled FlexAttention.
 
     einattn bench [--quick] [--json] [--no-compile] [--no-memory] [--sizes N,L,D,H ...]
+                  [--section layer|patterns ...] [--pattern-sizes N,H,L,A,W ...]
 
 One module per job: :mod:`~einattn.bench.forms` (the six forms, on the same weights),
+:mod:`~einattn.bench.patterns` (the patterns section: its forms, timing and rows),
 :mod:`~einattn.bench.timing` (interleaved rounds, medians and spreads),
 :mod:`~einattn.bench.compiled` (``torch.compile``), :mod:`~einattn.bench.memory` (peak
 resident-set growth, one subprocess per form), :mod:`~einattn.bench.verdicts` (targets
@@ -26,28 +29,65 @@ from .forms import (
     unavailable,
     with_impl,
 )
-from .memory import MEMORY_METHOD, MemoryRow, measure_memory, memory_worker
+from .memory import (
+    MEMORY_METHOD,
+    PATTERN_MEMORY_METHOD,
+    MemoryRow,
+    measure_memory,
+    measure_pattern_memory,
+    memory_worker,
+    pattern_memory_worker,
+)
+from .patterns import (
+    FLEX_FORMS,
+    PATTERN_FORMS,
+    PATTERN_MEMORY_FORMS,
+    PATTERN_NAMES,
+    PatternRow,
+    PatternSection,
+    Setup,
+    pattern_forms,
+    pattern_inputs,
+    pattern_skipped,
+    pattern_step,
+    run_patterns,
+    time_patterns,
+    window_mask,
+)
 from .report import Report, lines, run
 from .settings import (
     CLOCK_NAMES,
     COMPILE_SIZES,
     MEMORY,
     MEMORY_LENGTHS,
+    PATTERN_MEMORY_LENGTHS,
+    PATTERN_SIZES,
     QUICK_MEMORY_LENGTHS,
+    QUICK_PATTERN_MEMORY_LENGTHS,
+    QUICK_PATTERN_SIZES,
     QUICK_SIZES,
+    SECTIONS,
     SIZES,
+    PatternSize,
     Settings,
     Size,
+    parse_pattern_size,
     parse_size,
 )
 from .timing import CLOCKS, RESOLUTION, Row, Timing, time_interleaved, time_size
 from .verdicts import VERDICTS, Target, targets
 
 __all__ = [
-    "CLOCKS", "CLOCK_NAMES", "COMPILED", "COMPILE_SIZES", "EINATTN", "MEMORY", "MEMORY_LENGTHS",
-    "MEMORY_METHOD", "MODES", "NAMES", "PATHS", "QUICK_MEMORY_LENGTHS", "QUICK_SIZES",
-    "RESOLUTION", "SIZES", "VERDICTS", "CompileRow", "LinearSDPA", "MemoryRow", "Report", "Row",
-    "Settings", "Size", "Target", "Textbook", "Timing", "TorchMHA", "build", "compile_size",
-    "inputs", "lines", "measure_memory", "memory_worker", "parse_size", "run", "step",
-    "targets", "time_interleaved", "time_size", "unavailable", "with_impl",
+    "CLOCKS", "CLOCK_NAMES", "COMPILED", "COMPILE_SIZES", "EINATTN", "FLEX_FORMS", "MEMORY",
+    "MEMORY_LENGTHS", "MEMORY_METHOD", "MODES", "NAMES", "PATHS", "PATTERN_FORMS",
+    "PATTERN_MEMORY_FORMS", "PATTERN_MEMORY_LENGTHS", "PATTERN_MEMORY_METHOD", "PATTERN_NAMES",
+    "PATTERN_SIZES", "QUICK_MEMORY_LENGTHS", "QUICK_PATTERN_MEMORY_LENGTHS",
+    "QUICK_PATTERN_SIZES", "QUICK_SIZES", "RESOLUTION", "SECTIONS", "SIZES", "VERDICTS",
+    "CompileRow", "LinearSDPA", "MemoryRow", "PatternRow", "PatternSection", "PatternSize",
+    "Report", "Row", "Settings", "Setup", "Size", "Target", "Textbook", "Timing", "TorchMHA",
+    "build", "compile_size", "inputs", "lines", "measure_memory", "measure_pattern_memory",
+    "memory_worker", "parse_pattern_size", "parse_size", "pattern_forms", "pattern_inputs",
+    "pattern_memory_worker", "pattern_skipped", "pattern_step", "run", "run_patterns", "step",
+    "targets", "time_interleaved", "time_patterns", "time_size", "unavailable", "window_mask",
+    "with_impl",
 ]

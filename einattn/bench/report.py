@@ -14,21 +14,32 @@ import torch
 
 from .compiled import CompileRow, compile_size
 from .forms import NAMES, PATHS, unavailable
-from .memory import MEMORY_METHOD, MemoryRow, measure_memory
-from .settings import CLOCK_NAMES, MEMORY, Settings, Size
+from .memory import MEMORY_METHOD, PATTERN_MEMORY_METHOD, MemoryRow, measure_memory
+from .patterns import (
+    FLEX_FORMS,
+    FORWARD_ONLY,
+    PATTERN_MEMORY_FORMS,
+    PATTERN_NAMES,
+    PatternSection,
+    run_patterns,
+    why_no_memory,
+)
+from .settings import CLOCK_NAMES, MEMORY, PatternSize, Settings, Size
 from .timing import Row, time_size
 from .verdicts import VERDICTS, targets
 
 
 @dataclass
 class Report:
-    """Every row a run timed, compiled and measured, with the forms it skipped and why."""
+    """Every row a run timed, compiled and measured, with the forms it skipped and why; the
+    patterns section's in ``patterns``."""
 
     settings: Settings
     rows: list[Row] = field(default_factory=list)
     compiled: list[CompileRow] = field(default_factory=list)
     memory: list[MemoryRow] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    patterns: PatternSection = field(default_factory=PatternSection)
     threads: int = field(default_factory=torch.get_num_threads)
     seconds: float = 0.0
 
@@ -47,7 +58,10 @@ class Report:
                          "clock": s.clock,
                          "sample_s": s.sample_s, "sizes": [x.as_json() for x in s.sizes],
                          "compile_sizes": [x.as_json() for x in s.compile_sizes],
-                         "memory_lengths": list(s.memory_lengths)},
+                         "memory_lengths": list(s.memory_lengths),
+                         "sections": list(s.sections),
+                         "pattern_sizes": [x.as_json() for x in s.pattern_sizes],
+                         "pattern_memory_lengths": list(s.pattern_memory_lengths)},
             "paths": {name: NAMES[name] for name in PATHS},
             "skipped": self.skipped,
             "timings": [r.as_json() for r in self.rows],
@@ -55,6 +69,7 @@ class Report:
                         else {"skipped": s.why_no_compile or "no compile sizes"}),
             "memory": ({"method": MEMORY_METHOD, "rows": [m.as_json() for m in self.memory]}
                        if self.memory else {"skipped": s.why_no_memory or "no lengths"}),
+            "patterns": self.patterns.as_json(s),
             "targets": [t.as_json() for t in targets(self)],
             "seconds": self.seconds,
         }
@@ -96,6 +111,8 @@ def run(settings: Settings, progress: Callable[[str], None] | None = None) -> Re
         for L in settings.memory_lengths:
             say(f"memory at L={L}")
             report.memory.append(measure_memory(L, report.skipped))
+        if "patterns" in settings.sections:
+            report.patterns = run_patterns(settings, say)
     finally:
         torch.set_num_threads(threads)
     report.seconds = time.perf_counter() - start
@@ -135,14 +152,15 @@ def _mib(b: int | None) -> str:
 def _header(report: Report) -> list[str]:
     """What ran where and how it was timed, then the forms skipped."""
     s, m = report.settings, report.machine()
+    layer = "layer" in s.sections
     return [f"einattn bench{' --quick' if s.quick else ''}: einattn {m['einattn']}, "
             f"torch {m['torch']}, CPU "
-            f"({_count(m['cpu_count'], 'core')}, {_count(m['threads'], 'thread')}), float32, "
-            f"bias-free, the same weights in every form",
+            f"({_count(m['cpu_count'], 'core')}, {_count(m['threads'], 'thread')}), float32"
+            + (", bias-free, the same weights in every form" if layer else ""),
             f"median of {_count(s.rounds, 'interleaved round')} after "
             f"{_count(s.warmup, 'warm-up call')}, {CLOCK_NAMES[s.clock]}; "
-            f"spread = IQR / median; forward under no_grad, forward+backward with dX and "
-            f"every weight's gradient",
+            f"spread = IQR / median; forward under no_grad, forward+backward with "
+            + ("dX and every weight's gradient" if layer else "dQ, dK and dV"),
             *(f"skipped: {NAMES[name]}: {why}" for name, why in report.skipped.items())]
 
 
@@ -195,6 +213,59 @@ def _memory_table(report: Report, table, paint) -> list[str]:
               for row in report.memory for k, e in row.errors.items())]
 
 
+def _pattern_table(report: Report, size: PatternSize, table, paint) -> list[str]:
+    """One pattern size: every form in each mode it runs, its median, spread, ratios, max
+    |ΔZ|, then what the forms cost before their timed calls."""
+    title = (f"{size.label}  n={size.n} μ={size.heads} τ=σ={size.L} a={size.d_head}, "
+             f"window of {size.window} keys")
+    section = report.patterns
+    cells = [[r.mode, PATTERN_NAMES[name], _duration(t.median), _percent(t.spread),
+              _times(r.ratio(name, "sdpa_dense")), _times(r.ratio(name, "flex_compiled")),
+              _deviation_text(r.deviation[name])]
+             for r in section.rows if r.size == size for name, t in r.timings.items()]
+    setup = next((x.seconds for x in section.setup if x.size == size), {})
+    return ["", title, *table(["mode", "form", "median", "spread", "× SDPA dense",
+                               "× compiled flex", "max |ΔZ|"], cells, paint,
+                              right=(2, 3, 4, 5, 6)),
+            "  before the timed calls: " + "; ".join(f"{what} {_duration(seconds)}"
+                                                     for what, seconds in setup.items())]
+
+
+def _pattern_memory_table(report: Report, table, paint) -> list[str]:
+    """Peak growth of the window's memory forms per length, or why none ran."""
+    size = report.settings.pattern_sizes[0] if report.settings.pattern_sizes else None
+    where = "" if size is None else (f", n={size.n} μ={size.heads} a={size.d_head} "
+                                     f"window {size.window}")
+    out = ["", f"peak memory of the window, forward+backward{where}"]
+    memory = report.patterns.memory
+    if not memory:
+        return [*out, f"  skipped: {why_no_memory(report.settings)}"]
+    cells = [[str(row.L), PATTERN_NAMES[name], _mib(row.growth[name]),
+              _times(row.ratio(name, "chunked_causal")), _times(row.ratio(name, "sdpa_dense"))]
+             if name in row.growth else [str(row.L), PATTERN_NAMES[name], "failed", "—", "—"]
+             for row in memory for name in PATTERN_MEMORY_FORMS
+             if name not in report.patterns.skipped]
+    return [*out, f"method: {PATTERN_MEMORY_METHOD}",
+            *table(["L", "form", "peak growth", "× no window", "× SDPA dense"], cells, paint,
+                   right=(2, 3, 4)),
+            *(f"  failed at L={row.L}: {PATTERN_NAMES[k]}: {e}"
+              for row in memory for k, e in row.errors.items())]
+
+
+def _patterns_text(report: Report, table, paint) -> list[str]:
+    """The patterns section: what it times, each size, the forms skipped, memory."""
+    skipped = report.patterns.skipped
+    flex_timed = any(name not in skipped for name in FLEX_FORMS)
+    return ["", "attention patterns: a causal sliding window, Z[n μ τ a] from Q, K, V "
+                "(forward+backward with dQ, dK, dV); ratios of medians against SDPA with the "
+                "dense mask and the hand-written compiled flex_attention",
+            *(line for size in report.settings.pattern_sizes
+              for line in _pattern_table(report, size, table, paint)),
+            *([f"  forward+backward: no flex forms ({FORWARD_ONLY})"] if flex_timed else []),
+            *(f"  skipped: {PATTERN_NAMES[name]}: {why}" for name, why in skipped.items()),
+            *_pattern_memory_table(report, table, paint)]
+
+
 def _targets_table(report: Report, table, paint) -> list[str]:
     """Every target with its verdict, then the count of each verdict."""
     found = targets(report)
@@ -211,10 +282,12 @@ def _targets_table(report: Report, table, paint) -> list[str]:
 def lines(report: Report, table, paint) -> list[str]:
     """The report as text; ``table`` and ``paint`` are einattn.cli's (aligned columns,
     verdicts in colour on a terminal)."""
-    return [*_header(report),
-            *(line for size in report.settings.sizes
-              for line in _timing_table(report, size, table, paint)),
-            *_compile_table(report, table, paint),
-            *_memory_table(report, table, paint),
+    sections = report.settings.sections
+    layer = [*(line for size in report.settings.sizes
+               for line in _timing_table(report, size, table, paint)),
+             *_compile_table(report, table, paint),
+             *_memory_table(report, table, paint)] if "layer" in sections else []
+    patterns = _patterns_text(report, table, paint) if "patterns" in sections else []
+    return [*_header(report), *layer, *patterns,
             *_targets_table(report, table, paint),
             f"ran in {report.seconds:.0f} s"]

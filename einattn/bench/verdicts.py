@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .settings import SIZES
+from .patterns import why_no_memory
+from .settings import PATTERN_MEMORY_LENGTHS, PATTERN_SIZES, SIZES
 
 if TYPE_CHECKING:
     from .report import Report
@@ -46,12 +47,15 @@ def _spread(*timings: Timing | None) -> float | None:
 
 
 def _against(report: Report, label: str, path: str, base: str, limit: float, rows: list[Row],
-             empty: str) -> list[Target]:
+             empty: str, skipped: dict[str, str] | None = None) -> list[Target]:
     """``path``'s median over ``base``'s at each of ``rows``, against ``limit``; one SKIP at
-    ``empty`` when there is no such row."""
+    ``empty`` when there is no such row. A form not timed is noted with why, from
+    ``skipped`` (default: the layer's)."""
+    skipped = report.skipped if skipped is None else skipped
     found = []
     for r in rows:
-        note = report.skipped.get(path, "") if path not in r.timings else ""
+        absent = [name for name in (path, base) if name not in r.timings]
+        note = skipped.get(absent[0], "") if absent else ""
         found.append(Target(label, f"{r.size.label} {r.mode}", r.ratio(path, base), limit,
                             _spread(r.timings.get(path), r.timings.get(base)), note))
     return found or [Target(label, empty, None, limit, note="no such size was run")]
@@ -78,8 +82,41 @@ def _memory(report: Report) -> Target:
     return Target(label, where, row.ratio("chunked", "linear_sdpa"), 2.0, note=note)
 
 
-def targets(report: Report) -> list[Target]:
-    """The targets, read from the non-causal rows run (causal rows are informational)."""
+def _window_memory(report: Report) -> Target:
+    """Chunked's peak growth with the window over without it, at the longest length."""
+    L = max(PATTERN_MEMORY_LENGTHS)
+    label, where = "window: chunked peak memory ≤ 1.0× without", f"L={L} {_TRAINING}"
+    row = next((m for m in report.patterns.memory if m.L == L), None)
+    if row is None:
+        note = why_no_memory(report.settings) or f"L={L} was not run"
+        return Target(label, where, None, 1.0, note=note)
+    skipped = report.patterns.skipped
+    note = (skipped.get("chunked") or row.errors.get("chunked")
+            or row.errors.get("chunked_causal", ""))
+    return Target(label, where, row.ratio("chunked", "chunked_causal"), 1.0, note=note)
+
+
+def _patterns(report: Report) -> list[Target]:
+    """The window's targets at issue 19's size: chunked against the dense SDPA and the
+    hand-written compiled FlexAttention, impl="flex" against the latter, and memory."""
+    size = PATTERN_SIZES[0]
+    rows = [r for r in report.patterns.rows if r.size == size]
+    forward = [r for r in rows if r.mode == "forward"]
+    skipped = report.patterns.skipped
+    return [
+        *_against(report, "window: chunked ≤ 0.3× SDPA (dense mask)", "chunked", "sdpa_dense",
+                  0.3, rows, f"{size.label} both modes", skipped),
+        *_against(report, "window: chunked ≤ 1.5× compiled flex", "chunked", "flex_compiled",
+                  1.5, forward, f"{size.label} forward", skipped),
+        *_against(report, 'window: impl="flex" ≤ 1.1× compiled flex', "flex", "flex_compiled",
+                  1.1, forward, f"{size.label} forward", skipped),
+        _window_memory(report),
+    ]
+
+
+def _layer(report: Report) -> list[Target]:
+    """The layer's targets, read from the non-causal rows run (causal rows are
+    informational)."""
     plain = [r for r in report.rows if not r.size.causal]
     training = [r for r in plain if r.mode == _TRAINING]
     long = [r for r in training if r.size.L >= 1024]
@@ -98,3 +135,10 @@ def targets(report: Report) -> list[Target]:
         _memory(report),
         *_against(report, "chunked ≤ 1.3× textbook", "chunked", "textbook", 1.3, long, _LONG),
     ]
+
+
+def targets(report: Report) -> list[Target]:
+    """The targets of the sections run: the layer's read from its non-causal rows (causal
+    rows are informational), the patterns' from issue 19's size."""
+    layer = _layer(report) if "layer" in report.settings.sections else []
+    return layer + (_patterns(report) if "patterns" in report.settings.sections else [])

@@ -15,6 +15,8 @@ from .options import MEMORY_LIMIT, TRACE_TENSORS, Command, UsageError, check_mem
 from .output import Output, Paint, table
 
 MAX_ROUNDS = 1000  # --repeats: a round of the full run takes seconds, 1,000 an hour or more
+SECTIONS = ("layer", "patterns")  # einattn.bench.SECTIONS, named here without importing it
+PATTERN_TENSORS = ("Q[n μ τ a]", "S[n μ τ σ]")  # the dense mask and einsum's scores: L² a head
 
 
 def _at_most(maximum: int, what: str) -> Callable[[str], int]:
@@ -40,6 +42,21 @@ def _size(text: str):
     return found
 
 
+def _pattern_size(text: str):
+    """A ``--pattern-sizes`` value, refused where its scores ``S[n μ τ σ]`` (the einsum
+    form's, as large as the dense SDPA's) would not fit in float32."""
+    from .. import bench
+
+    try:
+        found = bench.parse_pattern_size(text)
+        check_memory(f"bench at {found.label}", {"n": found.n, "μ": found.heads, "τ": found.L,
+                                                 "σ": found.L, "a": found.d_head},
+                     PATTERN_TENSORS, torch.float32)
+    except (ValueError, UsageError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return found
+
+
 def bench_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--quick", action="store_true", help="tiny sizes, 3 rounds, one small memory run, no "
@@ -51,6 +68,14 @@ def bench_options(parser: argparse.ArgumentParser) -> None:
         "(default: 8,128,512,8 2,1024,512,8 1,4096,256,4 2,5,16,4 and 2,1024,512,8,causal; "
         "compile at the first two); sizes whose largest tensor would need more than "
         f"{gib(MEMORY_LIMIT)} are refused")
+    add("--section", nargs="+", choices=SECTIONS, metavar="S", help="the sections to run: "
+        "layer (one attention layer six ways) and patterns (a causal sliding window: chunked "
+        "against SDPA with a dense mask and compiled FlexAttention) (default: both)")
+    add("--pattern-sizes", nargs="+", type=_pattern_size, metavar="N,H,L,A,W", help="the "
+        "patterns section's sizes, each n,heads,L,d_head,window (default 1,4,4096,64,256; "
+        "1,2,64,8,16 with --quick); its memory runs at the first one's n, heads, d_head and "
+        f"window; sizes whose scores S[n μ τ σ] would need more than {gib(MEMORY_LIMIT)} are "
+        "refused")
     add("--repeats", type=_at_most(MAX_ROUNDS, "the most rounds bench runs"), metavar="R",
         help=f"interleaved timing rounds, 1 to {MAX_ROUNDS:,} (default 11, or 3 with --quick)")
     cores = os.cpu_count() or 1
@@ -69,7 +94,8 @@ def bench_command(args: argparse.Namespace, paint: Paint) -> Output:
     settings = bench.Settings.build(quick=args.quick, compile=not args.no_compile,
                                     memory=not args.no_memory, sizes=args.sizes,
                                     rounds=args.repeats, threads=args.threads,
-                                    clock=args.clock)
+                                    clock=args.clock, sections=args.section,
+                                    pattern_sizes=args.pattern_sizes)
     report = bench.run(settings, lambda text: print(f"einattn bench: {text}", file=sys.stderr,
                                                     flush=True))  # progress, off stdout
     failed = any(t.verdict == "FAIL" for t in bench.targets(report))
@@ -78,6 +104,7 @@ def bench_command(args: argparse.Namespace, paint: Paint) -> Output:
 
 
 COMMAND = Command(bench_command, "time einattn's einsum, sdpa and chunked paths against the "
-                  "textbook form, nn.MultiheadAttention and Linear+SDPA; compile and peak memory "
-                  "too; targets with PASS, FAIL or SKIP (--check: exit 1 if one fails)",
+                  "textbook form, nn.MultiheadAttention and Linear+SDPA, and a sliding window "
+                  "against SDPA and FlexAttention; compile and peak memory too; targets with "
+                  "PASS, FAIL or SKIP (--check: exit 1 if one fails)",
                   (bench_options,))

@@ -1,0 +1,265 @@
+"""The patterns section: attention under a causal sliding window of ``w`` keys (query τ sees
+``τ − w < σ ≤ τ``), ``Z[n μ τ a]`` from ``Q[n μ τ a]``, ``K[n μ σ a]``, ``V[n μ σ a]``:
+
+    sdpa_dense      F.scaled_dot_product_attention with the dense bool mask ``[τ σ]``
+    chunked         einattn, impl="chunked", causal=True, window=w: empty tiles skipped
+    chunked_causal  the same without the window: the work and memory the window saves
+    einsum          einattn, impl="einsum" with the window: equations (2)–(4) as written
+    flex_compiled   hand-written: ``torch.compile(flex_attention)`` with the mask_mod
+                    ``(kv <= q) & (kv > q - w)`` and a ``create_block_mask`` made once
+    flex            einattn, impl="flex": FlexAttention, its BlockMask made on each call
+                    from the chunked path's judgement of each tile
+
+The dense mask and the hand-written BlockMask are made once, outside the timed calls, as a
+user caches them; what making them costs is reported apart (:class:`Setup`), with each
+compiled form's first call. FlexAttention's CPU kernels are forward only: the flex forms
+have no forward+backward row on a CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..functional import attention
+from .forms import MODES, unavailable
+from .memory import PATTERN_MEMORY_METHOD, MemoryRow, measure_pattern_memory
+from .timing import Timing, _deviation, time_interleaved
+
+if TYPE_CHECKING:
+    from .settings import PatternSize, Settings
+
+PATTERN_FORMS = ("sdpa_dense", "chunked", "chunked_causal", "einsum", "flex_compiled", "flex")
+PATTERN_NAMES = {"sdpa_dense": "SDPA, dense mask", "chunked": "einattn chunked",
+                 "chunked_causal": "einattn chunked, no window",
+                 "einsum": "einattn einsum", "flex_compiled": "compiled flex (hand-written)",
+                 "flex": 'einattn impl="flex"'}
+FLEX_FORMS = ("flex_compiled", "flex")
+FORWARD_ONLY = "FlexAttention's CPU kernels are forward only"
+# The forms whose peak memory is measured: the window's, the same without it, the dense one.
+PATTERN_MEMORY_FORMS = ("chunked", "chunked_causal", "sdpa_dense")
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def window_mask(L: int, window: int) -> torch.Tensor:
+    """The dense causal-window mask ``[τ σ]``, True = may attend: ``τ − w < σ ≤ τ``."""
+    tau, sigma = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    return (sigma <= tau) & (sigma > tau - window)
+
+
+def pattern_inputs(size: PatternSize, *, seed: int = 1, dtype: torch.dtype = torch.float32):
+    """``Q``, ``K``, ``V`` ``[n μ τ a]`` and the output gradient ``dZ``."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (size.n, size.heads, size.L, size.d_head)
+    return tuple(torch.randn(*shape, generator=g, dtype=dtype) for _ in range(4))
+
+
+def _seconds(fn: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def _hand_flex(size: PatternSize, setup: dict[str, float]) -> Attend:
+    """The hand-written FlexAttention call, its BlockMask made once (twice, to time the
+    second, which no longer pays for the first's tracing)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    w = size.window
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (kv > q - w)
+
+    def make():
+        return create_block_mask(mask_mod, None, None, size.L, size.L, device="cpu")
+
+    _, setup["create_block_mask first call"] = _seconds(make)
+    block_mask, setup["create_block_mask"] = _seconds(make)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda Q, K, V: compiled(Q, K, V, block_mask=block_mask)
+
+
+def pattern_forms(size: PatternSize, names: tuple[str, ...] = PATTERN_FORMS) \
+        -> tuple[dict[str, Attend], dict[str, float]]:
+    """The forms named, as functions of ``(Q, K, V)``, and what setting them up cost in
+    seconds (the dense mask, the hand-written BlockMask)."""
+    w, setup = size.window, {}
+    dense, setup["dense mask"] = _seconds(lambda: window_mask(size.L, w))
+    forms = {"sdpa_dense": partial(F.scaled_dot_product_attention, attn_mask=dense),
+             "chunked": partial(attention, causal=True, window=w, impl="chunked"),
+             "chunked_causal": partial(attention, causal=True, impl="chunked"),
+             "einsum": partial(attention, causal=True, window=w, impl="einsum"),
+             "flex": partial(attention, causal=True, window=w, impl="flex")}
+    if "flex_compiled" in names:
+        forms["flex_compiled"] = _hand_flex(size, setup)
+    return {name: forms[name] for name in names}, setup
+
+
+def pattern_skipped(settings: Settings) -> dict[str, str]:
+    """The forms this run leaves out, with the reason: the flex forms without compiling or
+    without FlexAttention, the chunked ones without einattn.chunked."""
+    skipped = {}
+    chunked = unavailable().get("chunked")
+    if chunked:
+        skipped |= {"chunked": chunked, "chunked_causal": chunked}
+    why = settings.why_no_flex
+    if not why:
+        try:
+            importlib.import_module("torch.nn.attention.flex_attention")
+        except ImportError:
+            why = f"torch {torch.__version__} has no FlexAttention"
+        else:
+            why = "" if torch._dynamo.is_dynamo_supported() else "no torch.compile here"
+    return skipped | (dict.fromkeys(FLEX_FORMS, why) if why else {})
+
+
+def pattern_step(form: Attend, mode: str, qkv: tuple[torch.Tensor, ...], dZ: torch.Tensor) \
+        -> Callable[[], None]:
+    """One call of ``form`` in ``mode``: "forward" under ``torch.no_grad()`` on inputs that
+    need no gradient; "forward+backward" on copies that do, their gradients reset to None,
+    then ``Z.backward(dZ)``."""
+    if mode == "forward":
+        def forward() -> None:
+            with torch.no_grad():
+                form(*qkv)
+        return forward
+
+    leaves = tuple(t.detach().clone().requires_grad_() for t in qkv)
+
+    def forward_backward() -> None:
+        for t in leaves:
+            t.grad = None
+        form(*leaves).backward(dZ)
+    return forward_backward
+
+
+@dataclass
+class PatternRow:
+    """One pattern size and mode: every form's timing, and how far its ``Z`` is from the
+    dense SDPA's."""
+
+    size: PatternSize
+    mode: str
+    timings: dict[str, Timing]
+    deviation: dict[str, float] = field(default_factory=dict)
+
+    def ratio(self, path: str, base: str) -> float | None:
+        """Median against median: ``path``'s over ``base``'s (None if one was not timed)."""
+        if path not in self.timings or base not in self.timings:
+            return None
+        return self.timings[path].median / self.timings[base].median
+
+    def as_json(self) -> dict:
+        return {"size": self.size.as_json(), "mode": self.mode,
+                "paths": {name: {**t.as_json(), "vs_sdpa_dense": self.ratio(name, "sdpa_dense"),
+                                 "vs_flex_compiled": self.ratio(name, "flex_compiled"),
+                                 "max_deviation": self.deviation.get(name)}
+                          for name, t in self.timings.items()}}
+
+
+@dataclass
+class Setup:
+    """What one size's forms cost before their timed calls, in seconds: the dense mask, the
+    hand-written BlockMask, each compiled form's first call."""
+
+    size: PatternSize
+    seconds: dict[str, float]
+
+    def as_json(self) -> dict:
+        return {"size": self.size.as_json(), "seconds": self.seconds}
+
+
+def _deviations(outputs: dict[str, torch.Tensor], Q, K, V, size: PatternSize) \
+        -> dict[str, float]:
+    """Each form's ``max |ΔZ|`` from SDPA's with the dense mask of its pattern: the window's,
+    or for the form without the window the causal one (relative to ``max(1, max |Z|)``)."""
+    windowed = F.scaled_dot_product_attention(Q, K, V, attn_mask=window_mask(size.L,
+                                                                             size.window))
+    causal = F.scaled_dot_product_attention(Q, K, V, is_causal=True)
+    return {name: _deviation(Z, causal if name == "chunked_causal" else windowed)
+            for name, Z in outputs.items()}
+
+
+def time_patterns(size: PatternSize, settings: Settings, skip: dict[str, str]) \
+        -> tuple[list[PatternRow], Setup]:
+    """Both modes at one size: each form's first call (which compiles the flex forms) timed
+    and checked against the dense SDPA's ``Z``, then the forms timed in interleaved rounds;
+    the flex forms forward only on a CPU."""
+    forms, setup = pattern_forms(size, tuple(p for p in PATTERN_FORMS if p not in skip))
+    Q, K, V, dZ = pattern_inputs(size)
+    outputs = {}
+    with torch.no_grad():
+        for name, form in forms.items():
+            outputs[name], first = _seconds(lambda form=form: form(Q, K, V))
+            if name in FLEX_FORMS:
+                setup[f"{PATTERN_NAMES[name]} first call"] = first
+        deviation = _deviations(outputs, Q, K, V, size)
+    del outputs
+    rows = []
+    for mode in MODES:
+        steps = {name: pattern_step(form, mode, (Q, K, V), dZ) for name, form in forms.items()
+                 if mode == "forward" or name not in FLEX_FORMS}
+        rows.append(PatternRow(size, mode, time_interleaved(steps, settings), deviation))
+    return rows, Setup(size, setup)
+
+
+@dataclass
+class PatternSection:
+    """What the patterns section measured: its rows, setup costs and peak memory, and the
+    forms it left out and why (``ran`` False: the section was not run)."""
+
+    rows: list[PatternRow] = field(default_factory=list)
+    setup: list[Setup] = field(default_factory=list)
+    memory: list[MemoryRow] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    ran: bool = False
+
+    def as_json(self, settings: Settings) -> dict:
+        if not self.ran:
+            return {"skipped": "--section " + " ".join(settings.sections)}
+        why = why_no_memory(settings)
+        return {"paths": {name: PATTERN_NAMES[name] for name in PATTERN_FORMS},
+                "skipped": self.skipped, "timings": [r.as_json() for r in self.rows],
+                "setup": [s.as_json() for s in self.setup],
+                "memory": ({"method": PATTERN_MEMORY_METHOD,
+                            "rows": [_memory_json(m, settings) for m in self.memory]}
+                           if self.memory else {"skipped": why})}
+
+
+def why_no_memory(settings: Settings) -> str:
+    """Why the patterns section measures no memory ("" where it does)."""
+    if settings.pattern_memory_lengths:
+        return ""
+    return settings.why_no_memory or "no lengths"
+
+
+def _memory_json(row: MemoryRow, settings: Settings) -> dict:
+    size = settings.pattern_sizes[0]
+    return {"size": {**size.as_json(), "L": row.L}, "errors": row.errors,
+            "paths": {name: {"peak_growth_bytes": b,
+                             "vs_chunked_causal": row.ratio(name, "chunked_causal"),
+                             "vs_sdpa_dense": row.ratio(name, "sdpa_dense")}
+                      for name, b in row.growth.items()}}
+
+
+def run_patterns(settings: Settings, say: Callable[[str], None]) -> PatternSection:
+    """The patterns section as ``settings`` asks (memory in subprocesses)."""
+    section = PatternSection(skipped=pattern_skipped(settings), ran=True)
+    for size in settings.pattern_sizes:
+        say(f"timing the window {size.label}")
+        rows, setup = time_patterns(size, settings, section.skipped)
+        section.rows += rows
+        section.setup.append(setup)
+    for L in settings.pattern_memory_lengths:
+        say(f"memory of the window at L={L}")
+        names = tuple(p for p in PATTERN_MEMORY_FORMS if p not in section.skipped)
+        section.memory.append(measure_pattern_memory(settings.pattern_sizes[0], L, names))
+    return section
