@@ -69,6 +69,10 @@ class Causal:
         whether some key may be seen, and whether every one is."""
         return s0 <= t1 + self.shift, s1 <= t0 + self.shift
 
+    def keys(self, t0: int, t1: int) -> tuple[int, int]:
+        """The keys that the queries ``t0..t1`` may see lie in this range (ends included)."""
+        return 0, t1 + self.shift
+
     def first_row(self, sigma0: int) -> int:
         """The first query that sees key ``σ0``: a tile's rows above it see none of its keys."""
         return sigma0 - self.shift
@@ -90,6 +94,9 @@ class Window:
 
     def judge(self, size: int):
         return self.block
+
+    def keys(self, t0: int, t1: int) -> tuple[int, int]:
+        return t0 + self.shift - self.w + 1, t1 + self.shift + (0 if self.causal else self.w - 1)
 
     def block(self, t0: int, t1: int, s0: int, s1: int) -> tuple[bool, bool]:
         near, far = t0 + self.shift - s1, t1 + self.shift - s0  # the least and greatest d
@@ -245,13 +252,19 @@ class Pattern:
 
     def tiles(self, L_q: int, L_k: int, size: int):
         """``(τ0, τ1, σ0, σ1, partial)`` for each tile of queries ``[τ0, τ1)`` × keys
-        ``[σ0, σ1)`` that the mask pieces leave some key of; ``partial``: not every one."""
+        ``[σ0, σ1)`` that the mask pieces leave some key of; ``partial``: not every one.
+        A window's rows are judged only within its reach: O(L·w) tiles, not O(L²)."""
         judges = [piece.judge(size) for piece in self.masks]
         causal = next((piece for piece in self.masks if isinstance(piece, Causal)), None)
+        ranges = [piece.keys for piece in self.masks if hasattr(piece, "keys")]
         tiles = []
         for t0 in range(0, L_q, size):
             t1 = min(t0 + size, L_q)
-            for s0 in range(0, L_k, size):
+            lo, hi = 0, L_k - 1  # only the key blocks within every piece's reach are judged
+            for keys in ranges:
+                piece_lo, piece_hi = keys(t0, t1 - 1)
+                lo, hi = max(lo, piece_lo), min(hi, piece_hi)
+            for s0 in range(lo // size * size, hi + 1, size):
                 s1 = min(s0 + size, L_k)
                 some, every = True, True
                 for judge in judges:
