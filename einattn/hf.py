@@ -1,4 +1,6 @@
-"""Hugging Face attention modules as einattn layers: :func:`layer`.
+"""Hugging Face models through einattn: one attention module as an einattn layer
+(:func:`layer`), and whole models with einattn as their attention implementation
+(:func:`register`, :func:`capture`).
 
 ``layer(module)`` reads one attention module of a ``transformers`` model, its weights and
 its ``config``, and returns an equal :class:`~einattn.MultiHeadAttention`: its forward on
@@ -28,16 +30,22 @@ option and the model: normalised queries and keys (``q_norm``, ``k_norm``), a
 ``rope_type`` other than linear, dynamic, llama3 or yarn, cross-attention, and any class
 not in :data:`ROPE_STYLES` or GPT-2's. Nothing is left out silently.
 
-``transformers`` is never imported, here or by ``import einattn``: a module is recognised
-by its exact class (a subclass may have changed its forward, so it is refused).
+``transformers`` is never imported by ``import einattn`` or ``import einattn.hf`` (only
+:func:`register` imports it): a module is recognised by its exact class (a subclass may have
+changed its forward, so it is refused).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
-from . import layouts, rotary
+from . import functional, layouts, paths, rotary
 from .errors import EinattnError
 from .module import MultiHeadAttention
 
@@ -202,3 +210,76 @@ def _scale(module: nn.Module, d_head: int) -> float | None:
 
 def _detached(t):
     return None if t is None else t.detach()
+
+
+# -- whole models: einattn as a Hugging Face attention implementation -----------------------
+
+IMPLEMENTATIONS = {"einattn": "einsum", "einattn_sdpa": "sdpa", "einattn_chunked": "chunked",
+                   "einattn_flex": "flex"}
+
+
+def register() -> None:
+    """Register einattn with ``transformers``: after it, ``attn_implementation="einattn"``
+    (the equations as written), ``"einattn_sdpa"``, ``"einattn_chunked"`` or
+    ``"einattn_flex"`` in ``from_config``, ``from_pretrained`` or
+    ``model.set_attn_implementation`` runs every attention layer of a model through
+    :func:`einattn.functional.attention`. Each name's mask is Hugging Face's boolean
+    ``sdpa_mask`` (True = may attend: causal, padding, a sliding window, packed sequences),
+    which einattn reads with its own meaning: a query with no key to attend to gives zeros,
+    never NaN. Calling it again changes nothing."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    for name, impl in IMPLEMENTATIONS.items():
+        AttentionInterface.register(name, _FORWARDS[impl])
+        AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def _forward(impl: str, module, query, key, value, attention_mask, dropout: float = 0.0,
+             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """One attention call of a Hugging Face model: ``query[n μ τ a]``, ``key`` and
+    ``value[n g σ a]`` to ``(Z[n τ μ a], A or None)``, as its attention functions return.
+    The terms of equation (3) it passes (``sliding_window``, ``softcap``, ``s_aux``: the
+    sinks) become einattn's patterns; ``scaling`` is the scale ``s`` of equation (2)."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    L_q = query.shape[2]
+    if attention_mask is None and causal and 1 < L_q < key.shape[2]:  # an empty static
+        key, value = key[:, :, :L_q], value[:, :, :L_q]  # cache's slots: HF's own rule
+    window = kwargs.get("sliding_window")
+    if attention_mask is not None and L_q != key.shape[2]:
+        window = None  # HF's mask has it, at positions a cache may not align bottom-right
+    terms = functional._terms(window, kwargs.get("softcap"), False, kwargs.get("s_aux"), None)
+    seen = bool(kwargs.get("output_attentions")) or _capturing.stages is not None
+    stages = paths.run(functional._scaled(query, scaling), key, value, None, attention_mask,
+                       bool(causal) and attention_mask is None, terms, dropout, impl, 256, seen)
+    if _capturing.stages is not None:
+        _capturing.stages[getattr(module, "layer_idx", len(_capturing.stages))] = {
+            "Q": query, "K": key, "V": value, **stages}
+    return stages["Z"].transpose(1, 2).contiguous(), stages.get("A") if seen else None
+
+
+_FORWARDS = {impl: functools.partial(_forward, impl) for impl in IMPLEMENTATIONS.values()}
+
+
+class _Capturing(threading.local):
+    stages: dict | None = None
+
+
+_capturing = _Capturing()
+
+
+@contextlib.contextmanager
+def capture(model: nn.Module) -> Iterator[dict]:
+    """Inside it, every attention call of ``model`` (loaded with an einattn implementation)
+    records its stages by their equation names: ``stages[layer_index]["Q" | "K" | "V" |
+    "S" | "A" | "Z"]``, as ``return_intermediates`` names them (each call overwrites its
+    layer's: after ``generate``, the last step's)."""
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if name not in IMPLEMENTATIONS:
+        raise EinattnError(f"capture needs a model loaded with an einattn attention "
+                           f"implementation ({', '.join(IMPLEMENTATIONS)}; call "
+                           f"einattn.hf.register() first), got attn_implementation={name!r}")
+    saved, _capturing.stages = _capturing.stages, {}
+    try:
+        yield _capturing.stages
+    finally:
+        _capturing.stages = saved

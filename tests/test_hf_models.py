@@ -1,0 +1,148 @@
+"""Whole Hugging Face models with einattn as their attention implementation
+(:func:`einattn.hf.register`): tiny random-weight float64 models built from configs (no hub)
+give, on every real token of a left-padded batch, what Hugging Face gives each sequence
+alone; greedy ``generate`` picks the same tokens; ``output_attentions`` and
+:func:`einattn.hf.capture` give eager's weights; every parameter's gradient is HF's.
+
+The reference is HF's sdpa path where the model has one (exact in float64); Gemma 2 and
+gpt-oss have only eager, which takes Gemma 2's softmax in float32 (there 1e-6 of the
+largest logit).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from einattn import EinattnError, hf
+
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+SMALL = {"vocab_size": 50, "max_position_embeddings": 64}
+LLAMA_LIKE = {"hidden_size": 24, "intermediate_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8, **SMALL}
+MODELS = {  # name -> (config, HF's reference implementation, its tolerance)
+    "gpt2": (lambda: transformers.GPT2Config(n_embd=24, n_layer=2, n_head=4, vocab_size=50,
+                                             n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+                                             embd_pdrop=0.0), "sdpa", 1e-12),
+    "llama": (lambda: transformers.LlamaConfig(**LLAMA_LIKE), "sdpa", 1e-12),
+    "mistral": (lambda: transformers.MistralConfig(sliding_window=4, **LLAMA_LIKE), "sdpa",
+                1e-12),
+    "qwen2": (lambda: transformers.Qwen2Config(use_sliding_window=True, sliding_window=4,
+                                               max_window_layers=1, **LLAMA_LIKE), "sdpa", 1e-12),
+    "gemma2": (lambda: transformers.Gemma2Config(sliding_window=4, attn_logit_softcapping=2.0,
+                                                 final_logit_softcapping=None, **LLAMA_LIKE),
+               "eager", 1e-6),
+    "gpt_oss": (lambda: transformers.GptOssConfig(sliding_window=4, num_local_experts=2,
+                                                  num_experts_per_tok=1, **LLAMA_LIKE),
+                "eager", 1e-12),
+}
+HF_SDPA = {"gpt2", "llama", "mistral", "qwen2"}  # einattn_sdpa: HF checks its models' sdpa
+
+
+def _model(name: str):
+    """A tiny float64 model (seeded), its sinks drawn, loaded with HF's reference path."""
+    config, reference, _ = MODELS[name]
+    hf.register()
+    torch.manual_seed(7)
+    extra = {"experts_implementation": "eager"} if name == "gpt_oss" else {}
+    model = transformers.AutoModelForCausalLM.from_config(
+        config(), dtype=F64, attn_implementation=reference, **extra).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_()
+    return model, reference
+
+
+def _impls(name: str) -> list[str]:
+    return [i for i in hf.IMPLEMENTATIONS if i != "einattn_flex"
+            and (i != "einattn_sdpa" or name in HF_SDPA)]
+
+
+def _batch():
+    """Two sequences of 9 tokens, the second left-padded by 3, and their positions."""
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+CASES = [(name, impl) for name in MODELS for impl in _impls(name)]
+
+
+@pytest.mark.parametrize("name, impl", CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_left_padded_batch_equals_each_sequence_alone(name, impl):
+    model, reference = _model(name)
+    ids, mask, positions = _batch()
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, position_ids=positions).logits
+    assert torch.isfinite(logits).all()  # padded rows too: zeros, never NaN
+    model.set_attn_implementation(reference)
+    for b in range(2):
+        real = mask[b].bool()
+        with torch.no_grad():
+            alone = model(ids[b:b + 1, real]).logits[0]
+        assert (logits[b, real] - alone).abs().max() <= MODELS[name][2] * alone.abs().max()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mistral", "gpt_oss"])
+def test_greedy_generate_picks_the_same_tokens(name):
+    model, reference = _model(name)
+    ids, mask, _ = _batch()
+    tokens = {}
+    for impl in (reference, "einattn", "einattn_chunked"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6,
+                                      do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens["einattn"], tokens[reference])
+    assert torch.equal(tokens["einattn_chunked"], tokens[reference])
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
+def test_output_attentions_and_capture_give_eagers_weights(name):
+    model, _ = _model(name)
+    ids = _batch()[0]
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model(ids, output_attentions=True).attentions
+    model.set_attn_implementation("einattn")
+    with torch.no_grad():
+        got = model(ids, output_attentions=True).attentions
+        with hf.capture(model) as stages:
+            model(ids)
+    assert sorted(stages) == [0, 1] and sorted(stages[0]) == ["A", "K", "Q", "S", "V", "Z"]
+    for layer, (A, A_eager) in enumerate(zip(got, want, strict=True)):
+        assert (A - A_eager).abs().max() < 1e-7
+        assert torch.equal(stages[layer]["A"], A)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mistral", "gemma2", "gpt_oss"])
+def test_every_parameters_gradient_is_hfs(name):
+    model, reference = _model(name)
+    ids, mask, positions = _batch()
+    if reference == "eager":  # eager turns NaN on a left-padded float64 batch's real tokens
+        mask = torch.ones_like(mask)
+    model.train()
+    grads = {}
+    for impl in (reference, "einattn", "einattn_chunked"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(ids, attention_mask=mask, position_ids=positions, labels=ids).loss.backward()
+        grads[impl] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    scale = grads[reference].abs().max()
+    for impl in ("einattn", "einattn_chunked"):
+        assert (grads[impl] - grads[reference]).abs().max() <= MODELS[name][2] * scale
+
+
+def test_register_is_idempotent_and_capture_refuses_other_implementations():
+    hf.register()
+    hf.register()
+    model, _ = _model("llama")
+    with pytest.raises(EinattnError, match=r"capture needs a model loaded with an einattn "
+                                           r"attention implementation .* got "
+                                           r"attn_implementation='sdpa'"):
+        with hf.capture(model):
+            pass
