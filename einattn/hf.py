@@ -240,6 +240,11 @@ def _forward(impl: str, module, query, key, value, attention_mask, dropout: floa
     ``value[n g σ a]`` to ``(Z[n τ μ a], A or None)``, as its attention functions return.
     The terms of equation (3) it passes (``sliding_window``, ``softcap``, ``s_aux``: the
     sinks) become einattn's patterns; ``scaling`` is the scale ``s`` of equation (2)."""
+    for name in _UNREAD:
+        if kwargs.get(name) is not None:
+            raise EinattnError(f"{_describe(module)} hands its attention {name}, a term einattn's "
+                               f"equations do not have: load this model with another "
+                               f"attn_implementation")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     L_q = query.shape[2]
     if attention_mask is None and causal and 1 < L_q < key.shape[2]:  # an empty static
@@ -257,6 +262,7 @@ def _forward(impl: str, module, query, key, value, attention_mask, dropout: floa
     return stages["Z"].transpose(1, 2).contiguous(), stages.get("A") if seen else None
 
 
+_UNREAD = ("position_bias", "head_mask")  # what some models pass that einattn cannot apply
 _FORWARDS = {impl: functools.partial(_forward, impl) for impl in IMPLEMENTATIONS.values()}
 
 

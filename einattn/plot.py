@@ -1,6 +1,6 @@
 """Pictures of attention weights ``A[μ τ σ]``: one heatmap per head, tokens on the axes.
 
-matplotlib is an optional dependency (``pip install 'einattn[plot]'``), imported only
+matplotlib is an optional dependency (from a checkout, ``pip install '.[plot]'``), imported only
 when a figure is drawn. The figure is built on matplotlib's Agg canvas, without pyplot, so
 drawing one neither needs a display nor changes the backend a notebook or script has chosen.
 
@@ -117,6 +117,6 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as error:
-        raise ImportError("einattn.plot needs matplotlib, an optional dependency: "
-                          "pip install 'einattn[plot]'") from error
+        raise ImportError("einattn.plot needs matplotlib, an optional dependency: from "
+                          "einattn's checkout, pip install '.[plot]'") from error
     return Figure, FigureCanvasAgg

@@ -16,9 +16,9 @@ difference between the curves, exits with status 1 if that exceeds ``--tolerance
 saves two figures into ``--out``: the loss curves (tiny_lm_loss.png) and the attention of
 the last block on a line of the text (tiny_lm_attention.png, drawn by einattn.plot).
 
-Needs ``pip install 'einattn[examples]'``: matplotlib for the figures and tqdm for the
-progress bar (tqdm because it is small, has no dependencies, and falls back to plain
-periodic lines when stderr is not a terminal).
+Needs, from einattn's checkout, ``pip install '.[examples]'``: matplotlib for the figures
+and tqdm for the progress bar (tqdm because it is small, has no dependencies, and falls
+back to plain periodic lines when stderr is not a terminal).
 """
 
 from __future__ import annotations

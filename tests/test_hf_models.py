@@ -146,3 +146,29 @@ def test_register_is_idempotent_and_capture_refuses_other_implementations():
                                            r"attn_implementation='sdpa'"):
         with hf.capture(model):
             pass
+
+
+def test_flex_runs_a_left_padded_batch_forward(tmp_path):
+    """einattn_flex (forward only on a CPU build; float64 through FlexAttention's eager
+    reference) on a model saved and loaded again with from_pretrained."""
+    model, _ = _model("llama")
+    model.save_pretrained(tmp_path)
+    ids, mask, _ = _batch()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=F64, attn_implementation="einattn_flex").eval()
+        got = loaded(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert (got - want)[real].abs().max() <= 1e-12 * want.abs().max()
+
+
+def test_a_term_einattn_does_not_have_is_refused_by_name():
+    model, _ = _model("llama")
+    attention = model.model.layers[0].self_attn
+    Q = torch.zeros(1, 6, 3, 8, dtype=F64)
+    K = torch.zeros(1, 2, 3, 8, dtype=F64)
+    with pytest.raises(EinattnError, match=r"LlamaAttention \(model_type 'llama'\) hands its "
+                                           r"attention position_bias, a term einattn's "
+                                           r"equations do not have"):
+        hf._FORWARDS["einsum"](attention, Q, K, K, None, position_bias=torch.zeros(1))

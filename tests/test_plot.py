@@ -125,5 +125,5 @@ def test_missing_matplotlib_says_which_extra_to_install(monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(ImportError, match=r"pip install 'einattn\[plot\]'"):
+    with pytest.raises(ImportError, match=r"from einattn's checkout, pip install '\.\[plot\]'"):
         plot.attention(weights())
