@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TOL, assert_close_scaled, randn
-from test_bad_inputs import BAD
+from test_bad_inputs import BAD, _raise_lines, reached_lines
 from test_chunked import largest_outputs
 
 from einattn import EinattnError, KVCache, MultiHeadAttention, chunked, masks, patterns
@@ -827,24 +826,11 @@ def test_flex_without_flex_attention_or_dynamo(monkeypatch):
         _call(impl="flex")()
 
 
-def _raise_lines(path: Path) -> set[int]:
-    import ast
-
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    return {node.lineno for node in ast.walk(tree) if isinstance(node, ast.Raise)}
-
-
 def test_every_raise_site_in_patterns_py_is_reached():
     """Every ``raise`` in einattn/patterns.py is reached by a row here or in
     tests/test_bad_inputs.py (STYLE §4)."""
     source = Path(patterns.__file__).resolve()
-    reached = set()
-    for call, _ in [*ERRORS.values(), *BAD.values()]:
-        try:
-            call()
-        except EinattnError as e:
-            frames = traceback.extract_tb(e.__traceback__)
-            reached |= {f.lineno for f in frames if Path(f.filename).resolve() == source}
+    reached = reached_lines([*ERRORS.values(), *BAD.values()], source)
     missing = sorted(_raise_lines(source) - reached)
     assert not missing, f"raise sites in patterns.py with no test: lines {missing}"
 

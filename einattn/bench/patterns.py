@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..functional import attention
 from .forms import MODES, unavailable
 from .memory import PATTERN_MEMORY_METHOD, MemoryRow, measure_pattern_memory
-from .timing import Timing, _deviation, time_interleaved
+from .timing import Row, _deviation, time_interleaved
 
 if TYPE_CHECKING:
     from .settings import PatternSize, Settings
@@ -142,27 +142,13 @@ def pattern_step(form: Attend, mode: str, qkv: tuple[torch.Tensor, ...], dZ: tor
 
 
 @dataclass
-class PatternRow:
+class PatternRow(Row):
     """One pattern size and mode: every form's timing, and how far its ``Z`` is from the
     dense SDPA's."""
 
     size: PatternSize
-    mode: str
-    timings: dict[str, Timing]
-    deviation: dict[str, float] = field(default_factory=dict)
-
-    def ratio(self, path: str, base: str) -> float | None:
-        """Median against median: ``path``'s over ``base``'s (None if one was not timed)."""
-        if path not in self.timings or base not in self.timings:
-            return None
-        return self.timings[path].median / self.timings[base].median
-
-    def as_json(self) -> dict:
-        return {"size": self.size.as_json(), "mode": self.mode,
-                "paths": {name: {**t.as_json(), "vs_sdpa_dense": self.ratio(name, "sdpa_dense"),
-                                 "vs_flex_compiled": self.ratio(name, "flex_compiled"),
-                                 "max_deviation": self.deviation.get(name)}
-                          for name, t in self.timings.items()}}
+    BASES: ClassVar[dict[str, str]] = {"vs_sdpa_dense": "sdpa_dense",
+                                       "vs_flex_compiled": "flex_compiled"}
 
 
 @dataclass

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -110,6 +110,8 @@ class Row:
     mode: str
     timings: dict[str, Timing]
     deviation: dict[str, float] = field(default_factory=dict)
+    BASES: ClassVar[dict[str, str]] = {"vs_textbook": "textbook",
+                                       "vs_linear_sdpa": "linear_sdpa"}  # JSON key: form
 
     def ratio(self, path: str, base: str) -> float | None:
         """Median against median: ``path``'s over ``base``'s (None if one was not timed)."""
@@ -119,8 +121,9 @@ class Row:
 
     def as_json(self) -> dict:
         return {"size": self.size.as_json(), "mode": self.mode,
-                "paths": {name: {**t.as_json(), "vs_textbook": self.ratio(name, "textbook"),
-                                 "vs_linear_sdpa": self.ratio(name, "linear_sdpa"),
+                "paths": {name: {**t.as_json(),
+                                 **{key: self.ratio(name, base)
+                                    for key, base in self.BASES.items()},
                                  "max_deviation": self.deviation.get(name)}
                           for name, t in self.timings.items()}}
 
