@@ -120,3 +120,13 @@ class KVCache:
 
 def _no_padding(n: int, L: int, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros(n, L, dtype=torch.bool, device=like.device)
+
+
+def check_cache(cache, context) -> None:
+    """``cache`` is a :class:`KVCache`, used for self-attention."""
+    if not isinstance(cache, KVCache):
+        raise EinattnError(f"cache must be an einattn.KVCache, got {type(cache).__name__}")
+    if context is not None:
+        raise EinattnError("a KVCache holds self-attention's keys and values; with a context "
+                           "they would be appended again on every call: drop the cache or the "
+                           "context")

@@ -26,7 +26,7 @@ from . import _autocast, _softmax, layouts, rotary
 from . import masks as _masks
 from . import paths as _paths
 from . import patterns as _patterns
-from .cache import KVCache
+from .cache import KVCache, check_cache
 from .errors import EinattnError
 from .notation import Equation
 
@@ -273,23 +273,6 @@ def head_contributions(Z: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
     return HEAD_TERMS(Z=Z, W_O=W_O)
 
 
-def attention_mask(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dtype,
-                   device: torch.device, mask: torch.Tensor | None = None,
-                   key_padding_mask: torch.Tensor | None = None,
-                   causal: bool = False) -> torch.Tensor | None:
-    """The mask ``M[n μ τ σ]`` of equation (3), from a user mask (checked and broadcast),
-    a key padding mask ``(n, σ)`` (bool, True = padding, ignored) and, with
-    ``causal=True``, the bottom-right causal mask."""
-    shape = {"n": n, "n_heads": n_heads, "L_q": L_q, "L_k": L_k, "dtype": dtype,
-             "device": device}
-    user = None if mask is None else _masks.as_nmts(mask, name="mask", **shape)
-    padding = None
-    if key_padding_mask is not None:
-        padding = _masks.from_key_padding(key_padding_mask, **shape)
-    future = _masks.causal_mask(L_q, L_k, device=device) if causal else None
-    return _masks.combine(user, padding, future)
-
-
 def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
               mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
               causal: bool = False, window: int | None = None, softcap: float | None = None,
@@ -372,9 +355,10 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     """
     _check_impl(impl)
     if cache is not None:
-        _check_cache(cache, context)
+        check_cache(cache, context)
     Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
-    Q, K = _rotated(Q, K, (rope, rope_base, rope_scaling, rotary_dim), positions, cache, context)
+    Q, K = rotary.turned(Q, K, (rope, rope_base, rope_scaling, rotary_dim), positions,
+                         offset=0 if cache is None else len(cache), cross=context is not None)
     if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
         raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
                            f"Y[n τ i] must have the model width of X[n τ i]")
@@ -419,36 +403,7 @@ def check_scale(scale) -> float:
     return scale
 
 
-def _check_cache(cache, context) -> None:
-    if not isinstance(cache, KVCache):
-        raise EinattnError(f"cache must be an einattn.KVCache, got {type(cache).__name__}")
-    if context is not None:
-        raise EinattnError("a KVCache holds self-attention's keys and values; with a context "
-                           "they would be appended again on every call: drop the cache or the "
-                           "context")
-
-
 IMPLS = ("einsum", "sdpa", "chunked", "flex")
-
-
-def _rotated(Q, K, rope_options: tuple, positions, cache, context):
-    """Q and K turned by (R1)/(R2) where ``rope`` is set, the keys at the queries'
-    positions (self-attention), after the tokens already in ``cache``."""
-    rope, base, scaling, d_rot = rope_options
-    if rope is None:
-        if positions is not None or scaling is not None or d_rot is not None:
-            raise EinattnError("positions=, rope_scaling= and rotary_dim= only matter with "
-                               "rope='half' or 'interleaved'; this attention has rope=None")
-        return Q, K
-    style, base, scaling, d_rot = rotary.check_options(rope, base, scaling, d_rot, Q.shape[-1])
-    if context is not None:
-        raise EinattnError("rope needs self-attention: with a context, the keys' positions "
-                           "are not the queries'; drop rope or the context")
-    n, _, L, _ = Q.shape
-    t = rotary.positions_for(positions, n=n, L=L, offset=0 if cache is None else len(cache),
-                             device=Q.device)
-    R = rotary.rotations(t, d_head=d_rot, base=base, dtype=Q.dtype, scaling=scaling)
-    return rotary.rotate(Q, R, style), rotary.rotate(K, R, style)
 
 
 def _check_impl(impl: str) -> str:

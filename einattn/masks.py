@@ -139,3 +139,20 @@ def alibi_slopes(n_heads: int, *, dtype=torch.float32, device=None) -> torch.Ten
     h = 1 << (n_heads.bit_length() - 1)
     slopes = torch.cat([geometric(h), geometric(2 * h)[0::2][:n_heads - h]])
     return slopes.to(dtype=dtype, device=device)
+
+
+def attention_mask(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dtype,
+                   device: torch.device, mask: torch.Tensor | None = None,
+                   key_padding_mask: torch.Tensor | None = None,
+                   causal: bool = False) -> torch.Tensor | None:
+    """The mask ``M[n μ τ σ]`` of equation (3), from a user mask (checked and broadcast),
+    a key padding mask ``(n, σ)`` (bool, True = padding, ignored) and, with
+    ``causal=True``, the bottom-right causal mask."""
+    shape = {"n": n, "n_heads": n_heads, "L_q": L_q, "L_k": L_k, "dtype": dtype,
+             "device": device}
+    user = None if mask is None else as_nmts(mask, name="mask", **shape)
+    padding = None
+    if key_padding_mask is not None:
+        padding = from_key_padding(key_padding_mask, **shape)
+    future = causal_mask(L_q, L_k, device=device) if causal else None
+    return combine(user, padding, future)

@@ -39,9 +39,8 @@ def run(Q, K, V, key_padding_mask, mask, causal: bool, terms: dict | None, dropo
                                  device=Q.device, causal=causal, **terms)
     M = None
     if mask is not None or key_padding_mask is not None:
-        M = _functional.attention_mask(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=Q.dtype,
-                                       device=Q.device, mask=mask,
-                                       key_padding_mask=key_padding_mask)
+        M = masks.attention_mask(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=Q.dtype,
+                                 device=Q.device, mask=mask, key_padding_mask=key_padding_mask)
     impl = "einsum" if seen else _routed(impl, pattern)
     stages = _stages(impl, Q, K, V, M, pattern, dropout, block_size, seen)
     if (M is not None or pattern.masks) and nonfinite(stages["Z"]):

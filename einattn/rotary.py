@@ -262,3 +262,23 @@ def rotate(T: torch.Tensor, R: torch.Tensor, style: str) -> torch.Tensor:
         return STYLES[style](R=R, T=T)
     turned = STYLES[style](R=R, T=T[..., :d_rot])  # partial rotary: the rest pass as they are
     return torch.cat([turned, T[..., d_rot:]], dim=-1)
+
+
+def turned(Q, K, options: tuple, positions, *, offset: int, cross: bool):
+    """Q and K turned by (R1)/(R2) where ``options`` (rope, base, scaling, rotary_dim) set a
+    style, the keys at the queries' positions (self-attention only), which follow
+    ``offset`` tokens already cached unless ``positions`` are given."""
+    rope, base, scaling, d_rot = options
+    if rope is None:
+        if positions is not None or scaling is not None or d_rot is not None:
+            raise EinattnError("positions=, rope_scaling= and rotary_dim= only matter with "
+                               "rope='half' or 'interleaved'; this attention has rope=None")
+        return Q, K
+    style, base, scaling, d_rot = check_options(rope, base, scaling, d_rot, Q.shape[-1])
+    if cross:
+        raise EinattnError("rope needs self-attention: with a context, the keys' positions "
+                           "are not the queries'; drop rope or the context")
+    n, _, L, _ = Q.shape
+    t = positions_for(positions, n=n, L=L, offset=offset, device=Q.device)
+    R = rotations(t, d_head=d_rot, base=base, dtype=Q.dtype, scaling=scaling)
+    return rotate(Q, R, style), rotate(K, R, style)

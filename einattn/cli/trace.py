@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import functional
+from .. import functional, masks
 from ..notation import Equation, Explanation
 from .options import TRACE_TENSORS, Command, causal_option, checked_sizes, size_options
 from .output import Output, Paint, letters_text, sizes_text, table
@@ -96,8 +96,8 @@ def trace(sizes: dict[str, int], *, cross: bool, causal: bool, seed: int = SEED)
     C = draw(n, L_k, d_model) if cross else None  # the context C[n σ i]
     W, W_O = draw(groups * (r + 2) * d_head, d_model), draw(n_heads, d_head, d_model)
     Q, K, V = functional.project_qkv(X, W, n_heads=n_heads, n_kv_heads=groups, context=C)
-    M = functional.attention_mask(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=X.dtype,
-                                  device=X.device, causal=causal)
+    M = masks.attention_mask(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=X.dtype,
+                             device=X.device, causal=causal)
     S = functional.attention_scores(Q, K)
     A = functional.masked_softmax(S, M)
     Z = functional.weighted_values(A, V)
