@@ -215,7 +215,8 @@ def _forward(Q, K, V, mask, pattern, block_size: int):
     m = Q.new_full((n, n_heads, L_q), -_INF, dtype=acc)  # running max m[n μ τ]
     l = Q.new_zeros((n, n_heads, L_q), dtype=acc)  # noqa: E741 running sum l[n μ τ]
     if pattern.sinks is not None:  # the sink: one more logit s_μ, whose value is zero
-        m, l = m.copy_(pattern.sinks[:, None]), l.fill_(1.0)  # noqa: E741
+        m.copy_(pattern.sinks[:, None])
+        l.copy_((pattern.sinks != -_INF)[:, None])  # exp(s_μ − m) = 1, or 0 for s_μ = −∞
     O = Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=acc)  # noqa: E741 unnormalised Z
     at = _grid(Q, K, pattern)
     for tile in _spans(pattern.tiles(L_q, K.shape[2], block_size), block_size):

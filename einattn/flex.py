@@ -37,6 +37,8 @@ def attention(Q, K, V, mask, pattern) -> torch.Tensor:
     if not torch.is_grad_enabled():  # FlexAttention refuses a tensor that requires grad on
         Q, K, V = Q.detach(), K.detach(), V.detach()  # the CPU even under no_grad
     (_, n_heads, L_q, _), L_k = Q.shape, K.shape[2]
+    if L_k == 0:  # no key at all: every row is fully masked, Z = 0 (FlexAttention has no
+        return Q.new_zeros(*Q.shape[:3], V.shape[3])  # block to run)
     if pattern.sinks is not None:  # the sink: key σ = L_k, value zero, score s_μ
         K, V = (torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.shape[3])], dim=2) for t in (K, V))
     mask_mod, score_mod = _mods(pattern, mask, L_k)

@@ -232,11 +232,15 @@ def _softmax_fresh(S: torch.Tensor) -> torch.Tensor:
 
 def _sink_softmax(S: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor):
     """Equation (3) with a sink: the softmax over σ and one more logit ``s_μ``, whose
-    weight is dropped. No row is fully masked: the sink is always there."""
+    weight is dropped. A row with nothing to attend to, its sink included (``s_μ = −∞``),
+    gives zeros, as a fully masked row does."""
     if mask is not None:
         S = S.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else S + mask
     s = sinks.to(S.dtype)[:, None, None].expand(*S.shape[:-1], 1)
-    return torch.softmax(torch.cat([S, s], dim=-1), dim=-1)[..., :-1]
+    logits = torch.cat([S, s], dim=-1)
+    dead = logits.amax(dim=-1, keepdim=True) == float("-inf")
+    A = torch.softmax(logits.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    return A[..., :-1]
 
 
 def weighted_values(A: torch.Tensor, V: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,9 @@ def _sdpa(Q, K, V, mask, pattern, dropout: float) -> torch.Tensor:
     is_causal = True if pattern.causal_only and mask is None and L_q == L_k else False
     if (pattern.masks or pattern.scores) and not is_causal:  # folded into SDPA's mask
         at = patterns.grid(n, μ, L_q, L_k, Q.device)
-        mask = masks.combine(mask, pattern.allowed(at), pattern.bias(at))
+        bias = pattern.bias(at)  # in ≥ float32; SDPA takes a float mask in Q's dtype
+        mask = masks.combine(mask, pattern.allowed(at), None if bias is None
+                             else bias.to(Q.dtype))
     if _softmax.transformed():  # the fused kernels have no vmap or forward-AD rule
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(Q, K, V, mask, dropout, is_causal,

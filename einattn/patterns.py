@@ -174,7 +174,7 @@ class ALiBi:
     ADDITIVE = True  # S + B: SDPA takes B as its float mask
 
     def score(self, S, n, mu, tau, sigma):
-        return S - self.slopes[mu] * (tau + self.shift - sigma).abs()
+        return S + self.bias(n, mu, tau, sigma)
 
     def bias(self, n, mu, tau, sigma):
         return -self.slopes[mu] * (tau + self.shift - sigma).abs()
@@ -313,8 +313,10 @@ def build(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dtype, devic
     scores = []
     if softcap is not None:
         scores.append(Softcap(check_softcap(softcap)))
-    if alibi is not None and alibi is not False:
-        scores.append(ALiBi(_checked_slopes(alibi, n_heads, dtype, device), shift))
+    if alibi is not None and alibi is not False:  # slopes in at least float32, as S is
+        slopes = _checked_slopes(alibi, n_heads, torch.promote_types(dtype, torch.float32),
+                                 device)
+        scores.append(ALiBi(slopes, shift))
     if sinks is not None:
         sinks = _checked_sinks(sinks, n_heads, device)
     return Pattern(tuple(masks), tuple(scores), sinks)
@@ -359,22 +361,20 @@ def _checked_slopes(alibi, n_heads: int, dtype: torch.dtype, device) -> torch.Te
     """``m[μ]``: BLOOM's slopes for ``alibi=True``, or the given tensor checked."""
     if alibi is True:
         return alibi_slopes(n_heads, dtype=dtype, device=device)
-    if not isinstance(alibi, torch.Tensor) or alibi.shape != (n_heads,) \
-            or not alibi.is_floating_point():
-        shape = tuple(alibi.shape) if isinstance(alibi, torch.Tensor) else repr(alibi)
-        raise EinattnError(f"alibi must be True (BLOOM's slopes) or a float tensor of slopes "
-                           f"m[μ] of shape (n_heads,) = ({n_heads},), got {shape}")
-    if alibi.device != device:
-        raise EinattnError(f"alibi's slopes are on {alibi.device} but the scores are on {device}")
-    return alibi.to(dtype)
+    what = "True (BLOOM's slopes) or a float tensor of slopes m[μ]"
+    return _per_head(alibi, "alibi", what, n_heads, device).to(dtype)
 
 
 def _checked_sinks(sinks, n_heads: int, device) -> torch.Tensor:
-    if not isinstance(sinks, torch.Tensor) or sinks.shape != (n_heads,) \
-            or not sinks.is_floating_point():
-        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise EinattnError(f"sinks must be a float tensor of sink logits s[μ] of shape "
-                           f"(n_heads,) = ({n_heads},), got {shape}")
-    if sinks.device != device:
-        raise EinattnError(f"sinks is on {sinks.device} but the scores are on {device}")
-    return sinks
+    return _per_head(sinks, "sinks", "a float tensor of sink logits s[μ]", n_heads, device)
+
+
+def _per_head(t, name: str, what: str, n_heads: int, device) -> torch.Tensor:
+    """``t`` itself, once it is a float tensor of one value per head on ``device``."""
+    if not isinstance(t, torch.Tensor) or t.shape != (n_heads,) or not t.is_floating_point():
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
+        raise EinattnError(f"{name} must be {what} of shape (n_heads,) = ({n_heads},), "
+                           f"got {got}")
+    if t.device != device:
+        raise EinattnError(f"{name} is on {t.device} but the scores are on {device}")
+    return t

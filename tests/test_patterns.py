@@ -293,6 +293,43 @@ def test_fully_masked_rows_are_zeros(name, sinks, impl):
         assert torch.equal(grads[0][dead], torch.zeros_like(grads[0][dead]))
 
 
+@pytest.mark.parametrize("impl", [*IMPLS, "flex"])
+def test_a_sink_switched_off_on_a_fully_masked_row_is_zeros(impl):
+    """s_μ = −∞ turns head μ's sink off: a row with no key then has nothing at all to
+    attend to, and gives zeros with finite gradients, as any fully masked row does."""
+    Q, K, V = qkv(5, 5, requires_grad=impl != "flex")
+    s = torch.tensor([-math.inf, *randn(MU - 1, seed=5).tolist()], dtype=F64)
+    pad = torch.zeros(N, 5, dtype=torch.bool)
+    pad[0] = True  # sample 0: every key is padding
+    with torch.set_grad_enabled(impl != "flex"):
+        Z = F.attention(Q, K, V, key_padding_mask=pad, causal=True, sinks=s, impl=impl)
+        Z_ref = F.attention(Q, K, V, key_padding_mask=pad[1:2].expand(N, 5), causal=True,
+                            sinks=s, impl="einsum")
+    assert torch.equal(Z[0], torch.zeros_like(Z[0]))
+    assert_close_scaled(Z[1], Z_ref[1], TOL[F64])
+    if impl != "flex":
+        assert all(torch.isfinite(g).all() for g in torch.autograd.grad(Z.sum(), (Q, K, V)))
+
+
+def test_flex_without_keys_is_zeros():
+    Q, K, V = qkv(4, 0, requires_grad=False)
+    with torch.no_grad():
+        assert torch.equal(F.attention(Q, K, V, causal=True, impl="flex"),
+                           torch.zeros(N, MU, 4, V.shape[3], dtype=F64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_alibi_in_half_precision_keeps_its_distances(dtype):
+    """ALiBi's bias is made in float32, as the half-precision scores are: in bfloat16 the
+    distance 1499 would round to 1496 before its slope multiplied it."""
+    pattern = patterns.build(n=1, n_heads=MU, L_q=1, L_k=1500, dtype=dtype, device="cpu",
+                             alibi=True)
+    B = pattern.bias(patterns.grid(1, MU, 1, 1500, "cpu"))
+    assert B.dtype == torch.float32
+    exact = -masks.alibi_slopes(MU, dtype=F64)[:, None, None] * torch.arange(1499, -1, -1)
+    assert torch.equal(B[0].double(), exact.float().double())
+
+
 def test_weights_with_a_sink_sum_to_less_than_one():
     """What each row misses is the sink's weight, exp(s_μ) / (exp(s_μ) + Σ_σ exp(S'_σ))."""
     Q, K, V = qkv(7, 11, requires_grad=False)
@@ -766,18 +803,18 @@ ERRORS = {
                           r"document_ids is on meta but the scores are on cpu"),
     "alibi-shape": (_call(alibi=torch.ones(G, dtype=F64)),
                     r"alibi must be True \(BLOOM's slopes\) or a float tensor of slopes m\[μ\] "
-                    r"of shape \(n_heads,\) = \(6,\), got \(2,\)"),
+                    r"of shape \(n_heads,\) = \(6,\), got torch.float64 \(2,\)"),
     "alibi-int": (_call(alibi=torch.ones(MU, dtype=torch.long)),
-                  r"alibi must be True .* = \(6,\), got \(6,\)"),
+                  r"alibi must be True .* = \(6,\), got torch.int64 \(6,\)"),
     "alibi-number": (_call(alibi=0.5), r"alibi must be True .*, got 0.5"),
     "alibi-meta": (_call(alibi=torch.ones(MU, device="meta")),
-                   r"alibi's slopes are on meta but the scores are on cpu"),
+                   r"alibi is on meta but the scores are on cpu"),
     "sinks-shape": (_call(sinks=torch.zeros(1, MU, dtype=F64)),
                     r"sinks must be a float tensor of sink logits s\[μ\] of shape \(n_heads,\) "
-                    r"= \(6,\), got \(1, 6\)"),
+                    r"= \(6,\), got torch.float64 \(1, 6\)"),
     "sinks-int": (_call(sinks=torch.zeros(MU, dtype=torch.long)),
-                  r"sinks must be a float tensor .* = \(6,\), got \(6,\)"),
-    "sinks-bool": (_call(sinks=True), r"sinks must be a float tensor .*, got bool"),
+                  r"sinks must be a float tensor .* = \(6,\), got torch.int64 \(6,\)"),
+    "sinks-bool": (_call(sinks=True), r"sinks must be a float tensor .*, got True"),
     "sinks-meta": (_call(sinks=torch.zeros(MU, device="meta")),
                    r"sinks is on meta but the scores are on cpu"),
     "flex-requires-grad": (lambda: F.attention(*qkv(7, 11), impl="flex", window=3),
