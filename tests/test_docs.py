@@ -67,7 +67,7 @@ PIECES = [
     (patterns.Window, "allowed"),
     (patterns.Documents, "allowed"),
     (patterns.Softcap, "score"),
-    (patterns.ALiBi, "score"),
+    (patterns.ALiBi, "bias"),
 ]
 PATTERN_LATEX = [cls.LATEX for cls, _ in PIECES] + [patterns.SINK_LATEX]
 
