@@ -253,7 +253,10 @@ def _forward(impl: str, module, query, key, value, attention_mask, dropout: floa
     if attention_mask is not None and L_q != key.shape[2]:
         window = None  # HF's mask has it, at positions a cache may not align bottom-right
     terms = functional._terms(window, kwargs.get("softcap"), False, kwargs.get("s_aux"), None)
-    seen = bool(kwargs.get("output_attentions")) or _capturing.stages is not None
+    # "einattn" returns A as HF's eager does (some models, GPT-2, keep output_attentions
+    # to themselves); the others where it is asked for or captured
+    seen = impl == "einsum" or bool(kwargs.get("output_attentions")) \
+        or _capturing.stages is not None
     stages = paths.run(functional._scaled(query, scaling), key, value, None, attention_mask,
                        bool(causal) and attention_mask is None, terms, dropout, impl, 256, seen)
     if _capturing.stages is not None:
