@@ -184,22 +184,3 @@ def latex_symbol(name: str) -> str:
         return f"{latex_symbol(head)}_{{{latex_symbol(tail)}}}"
     return rf"\mathrm{{{name}}}"
 
-
-def latex_term(term: Term) -> str:
-    parts = []
-    for axis in term.axes:
-        body = " ".join(latex_symbol(i) for i in axis.indices)
-        parts.append(f"({body})" if axis.grouped else body)
-    name = latex_symbol(term.name)
-    if "_" in term.name:
-        name = f"({name})"
-    return f"{name}_{{{' '.join(parts)}}}"
-
-
-def latex(p: Parsed) -> str:
-    """The equation as LaTeX in the derivation's style, groups parenthesised."""
-    right = " ".join(latex_term(t) for t in p.operands)
-    if p.scale is not None:
-        right = rf"\frac{{{right}}}{{\sqrt{{d_{{{latex_symbol(p.scale)}}}}}}}"
-    return f"{latex_term(p.output)} = {right}"
-

@@ -27,8 +27,9 @@ import torch
 
 from . import _autocast
 from ._lowering import contraction
-from ._syntax import Parsed, Term, latex, parse
+from ._syntax import Parsed, Term, parse
 from .errors import EinattnError, at
+from .latex import read, render
 
 _LETTERS = string.ascii_lowercase + string.ascii_uppercase
 _MAX_PLANS = 256
@@ -155,8 +156,14 @@ class Equation:
         return self.text
 
     def latex(self) -> str:
-        """The equation in LaTeX, in the derivation's style."""
-        return latex(self._parsed)
+        """The equation in LaTeX, in the derivation's style; :meth:`from_latex` reads it."""
+        return render(self._parsed)
+
+    @classmethod
+    def from_latex(cls, tex: str, size_names: dict[str, str] | None = None) -> Equation:
+        """An equation from LaTeX index notation, read as :mod:`einattn.latex` says;
+        ``size_names`` ties a size to an index: ``{"d_k": "a"}`` for ``\\sqrt{d_k}``."""
+        return cls(read(tex, size_names))
 
     def __call__(self, **arguments: Any) -> torch.Tensor:
         if torch.compiler.is_compiling():
