@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import circuits, functional, layouts, linear, masks, reference, rotary
+from . import gradient_steps as _gradient
 from . import pattern_steps as _pattern
 from .cache import KVCache
 from .notation import Equation
@@ -400,6 +401,7 @@ def steps(sizes: dict[str, int] | None = None) -> list[Step]:
              inputs={"X": "n τ i", "W": "(μ B a) i", "W_O": "μ a i"}),
         *variation_steps(s),
         *pattern_steps(s),
+        *_gradient.steps(s),
     ]
 
 
@@ -440,4 +442,5 @@ def mutations(sizes: dict[str, int] | None = None) -> list[Step]:
              "Y[n (a μ)] = T[n μ a]", s, exact=True),
         *variation_mutations(s),
         *pattern_mutations(s),
+        *_gradient.mutations(s),
     ]

@@ -15,6 +15,9 @@ random per tensor name (a tensor used twice gets one value) with shapes from ``s
     >>> check_equivalent("Y[τ j] = X[τ i] W[i j]", "Y[τ j] = W[i j] X[τ i]",
     ...                  {"τ": 3, "i": 4, "j": 5}, exact=True).equal
     True
+
+:func:`check_gradient` asks the same of a backward step: whether a gradient equation (or
+callable) equals autograd's vector–Jacobian product of its forward, for a random cotangent.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from .errors import EinattnError
+from .errors import EinattnError, at
 from .notation import Equation
 
 Side = Equation | str | Callable[..., torch.Tensor]
@@ -88,9 +92,9 @@ def check_equivalent(lhs: Side, rhs: Side, sizes: dict[str, int] | None = None, 
     signature = _signature(sides, inputs)
     if exact:
         _check_exact(sides)
-    degree = max([len(s.terms) for s in sides if isinstance(s, Equation)]
-                 or [2 * len(signature)])
-    span = _exact_span(sizes, degree) if exact else 0
+    degree = max([d for d in map(_degree, sides) if d] or [2 * len(signature)])
+    limit = min(getattr(s, "exact_limit", 2.0**62) for s in sides)
+    span = _exact_span(sizes, degree, limit) if exact else 0
     generator = torch.Generator().manual_seed(seed)
     worst = None
     for _ in range(draws):
@@ -140,11 +144,18 @@ def _check_exact(sides: list) -> None:
                                f"use float mode")
 
 
-def _exact_span(sizes: dict[str, int], degree: int) -> int:
+def _degree(side) -> int | None:
+    """A side's degree as a polynomial of its tensors, where it says: an equation's number
+    of operands, or a callable's ``degree`` attribute."""
+    return len(side.terms) if isinstance(side, Equation) else getattr(side, "degree", None)
+
+
+def _exact_span(sizes: dict[str, int], degree: int, limit: float = 2.0**62) -> int:
     """The largest R such that sums of products of ``degree`` integers in [-R, R] over all
-    index combinations stay below 2^62, capped at 2^16."""
+    index combinations stay below ``limit`` (2^62; 2^52 where a side computes in float64),
+    capped at 2^16."""
     terms = max(1, math.prod(sizes.values()))
-    return max(1, min(_EXACT_RANGE, int((2.0**62 / terms) ** (1.0 / degree))))
+    return max(1, min(_EXACT_RANGE, int((limit / terms) ** (1.0 / degree))))
 
 
 def _draw(shape: tuple[int, ...], span: int, generator: torch.Generator) -> torch.Tensor:
@@ -187,14 +198,217 @@ def _where(flat: int, shape: torch.Size, sides: list) -> str:
     for n in reversed(shape):
         flat, p = divmod(flat, n)
         position.insert(0, p)
-    names = next((s.lhs.indices for s in sides if isinstance(s, Equation)
-                  and not s.lhs.grouped), None)
+    names = next((n for n in map(_output_indices, sides) if n is not None), None)
     if names is None or len(names) != len(shape):
         return "[" + ", ".join(str(int(p)) for p in position) + "]"
     return "[" + ", ".join(f"{n}={int(p)}" for n, p in zip(names, position, strict=True)) + "]"
+
+
+def _output_indices(side) -> tuple[str, ...] | None:
+    """The indices that name a side's output axes, where it has them (no groups)."""
+    if isinstance(side, Equation):
+        return None if side.lhs.grouped else side.lhs.indices
+    return getattr(side, "output_indices", None)
 
 
 def _text(side) -> str:
     if isinstance(side, Equation):
         return side.text
     return getattr(side, "__qualname__", repr(side))
+
+
+# -- gradients: a backward equation checked against autograd --------------------------------
+
+_FLOAT64_EXACT = 2.0**52  # integers below 2^53 are exact in float64; one bit to spare
+
+
+class GradientSides(NamedTuple):
+    """:func:`check_gradient`'s question as two sides for :func:`check_equivalent`: ``true``
+    is autograd's vector–Jacobian product of the forward, ``claimed`` the gradient given.
+    Both take the forward's inputs and the cotangent ``d<Out>`` by keyword; ``inputs`` gives
+    each of those tensors' index strings."""
+
+    true: Callable[..., torch.Tensor]
+    claimed: Callable[..., torch.Tensor]
+    inputs: dict[str, str]
+
+
+def check_gradient(forward: Side, gradient: Side, *, wrt: str,
+                   sizes: dict[str, int] | None = None, shapes: dict[str, str] | None = None,
+                   output: str | None = None, exact: bool = False, seed: int = 0,
+                   draws: int = 3) -> Report:
+    """Whether ``gradient`` is the gradient of ``forward`` with respect to its input ``wrt``:
+    ``d<wrt> = Σ d<Out> ∂Out/∂<wrt>`` for a random cotangent ``d<Out>``, the true one by
+    ``torch.autograd`` in float64 (:func:`gradient_sides`), compared as
+    :func:`check_equivalent` compares. Exact mode (multilinear steps) draws integers small
+    enough that autograd's float64 sums are exact.
+
+    >>> check_gradient("S[τ σ] = Q[τ a] K[σ a]", "dQ[τ a] = dS[τ σ] K[σ a]", wrt="Q",
+    ...                sizes={"τ": 3, "σ": 4, "a": 5}, exact=True).equal
+    True
+    >>> def softmax(S):
+    ...     return S.softmax(-1)
+    >>> check_gradient(softmax, lambda A, dA: A * (dA - (A * dA).sum(-1, keepdim=True)),
+    ...                wrt="S", output="A", shapes={"S": "τ σ", "A": "τ σ"},
+    ...                sizes={"τ": 3, "σ": 4}).equal
+    True
+    """
+    sides = gradient_sides(forward, gradient, wrt=wrt, sizes=sizes, shapes=shapes,
+                           output=output)
+    return check_equivalent(sides.true, sides.claimed, sizes, exact=exact, seed=seed,
+                            draws=draws, inputs=sides.inputs)
+
+
+def gradient_sides(forward: Side, gradient: Side, *, wrt: str,
+                   sizes: dict[str, int] | None = None, shapes: dict[str, str] | None = None,
+                   output: str | None = None) -> GradientSides:
+    """The two sides :func:`check_gradient` compares; a registered step holds them.
+
+    ``forward`` computes ``Out`` from its inputs: an equation (``Out`` is its left side), or
+    a callable whose keyword parameters are its inputs and whose output ``output=`` names
+    (default ``out``); ``shapes`` gives a callable's inputs and output as index strings. An
+    equation ``gradient`` produces ``d<wrt>[wrt's indices]``; a callable one returns that
+    tensor. Either takes, by name, any of the forward's inputs, ``Out`` and ``d<Out>``.
+    """
+    forward, gradient = (Equation(s) if isinstance(s, str) else s for s in (forward, gradient))
+    sizes = dict(sizes or {})
+    terms, out = _forward_terms(forward, dict(shapes or {}), output)
+    if wrt not in terms:
+        raise EinattnError(f"wrt={wrt!r} is not an input of the forward {_text(forward)}; its "
+                           f"inputs are {', '.join(terms)}")
+    names, cotangent = list(terms), f"d{out.name}"
+    takes = _gradient_takes(gradient, terms[wrt], [*names, out.name, cotangent])
+    inputs = {name: _bracketed(t) for name, t in [*terms.items(), (cotangent, out)]}
+    parameters = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in inputs]
+    true = _autograd_side(forward, wrt, names, cotangent, sizes)
+    claimed = _claimed_side(gradient, forward, wrt, names, out.name, takes, sizes)
+    for side, text in [(true, f"autograd's d{wrt} of {_text(forward)}"),
+                       (claimed, _text(gradient))]:
+        side.__qualname__, side.__signature__ = text, inspect.Signature(parameters)
+        side.output_indices = None if terms[wrt].grouped else terms[wrt].indices
+    true.degree, claimed.degree = _degree(forward), _degree(gradient)
+    true.exact_limit = _FLOAT64_EXACT  # autograd sums in float64: exact below 2^53
+    return GradientSides(true, claimed, inputs)
+
+
+def _term(name: str, text: str):
+    """``name[text]`` parsed: its axes, groups and indices."""
+    return Equation(f"_[] = {name}[{text}]").terms[0]
+
+
+def _bracketed(term) -> str:
+    """The index string inside a term's brackets: ``"n (g r) τ a"``."""
+    return term.text()[len(term.name) + 1:-1]
+
+
+def _keywords(function: Callable) -> list[inspect.Parameter] | None:
+    """The parameters a callable takes by keyword, or None where it takes ``**kwargs``."""
+    parameters = inspect.signature(function).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _forward_terms(forward, shapes: dict[str, str], output: str | None):
+    """The forward's inputs as terms, by name, and its output term."""
+    if isinstance(forward, Equation):
+        if output not in (None, forward.output):
+            raise EinattnError(f"output={output!r}, but the forward {forward.text} names its "
+                               f"output {forward.output}")
+        terms: dict = {}
+        for term in forward.terms:
+            terms.setdefault(term.name, term)
+        return terms, forward.lhs
+    out = "out" if output is None else output
+    keywords = _keywords(forward)
+    names = ([p.name for p in keywords if p.default is p.empty] if keywords is not None
+             else [n for n in shapes if n != out])
+    for name in [*names, out]:
+        if name not in shapes:
+            role = "the output" if name == out else "an input"
+            raise EinattnError(f"shapes gives no index string for {name!r}, {role} of the "
+                               f"forward {_text(forward)}; pass shapes={{{name!r}: 'τ σ', ...}}")
+    return {name: _term(name, shapes[name]) for name in names}, _term(out, shapes[out])
+
+
+def _gradient_takes(gradient, wrt, available: list[str]) -> list[str]:
+    """The tensors the gradient takes, once it is known to produce ``d<wrt>`` from them."""
+    if isinstance(gradient, Equation):
+        lhs = gradient.lhs
+        shown = [(a.indices, a.grouped) for a in lhs.axes]
+        if lhs.name != f"d{wrt.name}" or shown != [(a.indices, a.grouped) for a in wrt.axes]:
+            raise at(f"the gradient must produce d{wrt.text()}, the gradient of "
+                     f"{wrt.name}, but produces {lhs.text()}", gradient.text, lhs.position)
+        takes = list(gradient.operands)
+    else:
+        keywords = _keywords(gradient)
+        if keywords is None:
+            return available
+        takes = [p.name for p in keywords if p.default is p.empty or p.name in available]
+    for name in takes:
+        if name not in available:
+            raise EinattnError(f"the gradient {_text(gradient)} takes {name!r}, which is none of "
+                               f"the forward's inputs, its output and its cotangent: "
+                               f"{', '.join(available)}")
+    return takes
+
+
+def _runner(side, sizes: dict[str, int]) -> Callable[[dict], torch.Tensor]:
+    """A side as a function of a dict of tensors (an equation also gets its sizes)."""
+    if isinstance(side, Equation):
+        known = {k: v for k, v in sizes.items() if k in side.indices}
+        return lambda tensors: side(**{n: tensors[n] for n in side.operands}, **known)
+    return lambda tensors: side(**tensors)
+
+
+def _exact_values(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A float64 result at integer inputs as int64, once it is known to be integral."""
+    if not torch.equal(t, t.round()):
+        raise EinattnError(f"exact=True but {what} is not an integer at integer inputs: the "
+                           f"forward is not multilinear; use float mode")
+    return t.to(torch.int64)
+
+
+def _autograd_side(forward, wrt: str, names: list[str], cotangent: str, sizes) -> Callable:
+    run = _runner(forward, sizes)
+
+    def true_gradient(**tensors: torch.Tensor) -> torch.Tensor:
+        exact = not tensors[cotangent].is_floating_point()
+        if exact:
+            _check_exact([forward])
+        arguments = {n: tensors[n].detach().to(torch.float64).requires_grad_(n == wrt)
+                     for n in names}
+        with torch.enable_grad():
+            out = run(arguments)
+            d_out = tensors[cotangent]
+            if out.shape != d_out.shape:
+                raise EinattnError(f"the forward {_text(forward)} returned shape "
+                                   f"{tuple(out.shape)}, but its cotangent {cotangent} has "
+                                   f"shape {tuple(d_out.shape)} from shapes")
+            grad = (torch.autograd.grad(out, arguments[wrt], d_out.to(out.dtype),
+                                        allow_unused=True)[0] if out.requires_grad else None)
+        grad = torch.zeros_like(arguments[wrt]) if grad is None else grad.detach()
+        return _exact_values(grad, f"autograd's d{wrt}") if exact else grad
+    return true_gradient
+
+
+def _claimed_side(gradient, forward, wrt: str, names: list[str], out: str, takes: list[str],
+                  sizes) -> Callable:
+    run, run_forward = _runner(gradient, sizes), _runner(forward, sizes)
+
+    def claimed_gradient(**tensors: torch.Tensor) -> torch.Tensor:
+        exact = not tensors[f"d{out}"].is_floating_point()
+        if exact:
+            _check_exact([gradient])
+        given = {n: tensors[n] for n in takes if n in tensors}
+        if out in takes:  # the forward's output, computed from the same inputs
+            with torch.no_grad():
+                value = run_forward({n: tensors[n].to(torch.float64) for n in names})
+            given[out] = _exact_values(value, f"the forward's output {out}") if exact else value
+        result = run(given)
+        if result.shape != tensors[wrt].shape:
+            raise EinattnError(f"the gradient {_text(gradient)} returned shape "
+                               f"{tuple(result.shape)}, but d{wrt} has {wrt}'s shape "
+                               f"{tuple(tensors[wrt].shape)}")
+        return result
+    return claimed_gradient

@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-from einattn import EinattnError, Equation, derivation, pattern_steps
+from einattn import EinattnError, Equation, derivation, gradient_steps, pattern_steps
 from einattn.derivation import Step, default_sizes, mutations, steps
 from einattn.masks import alibi_slopes
 from einattn.verify import assert_equivalent, check_equivalent
@@ -49,13 +49,21 @@ STEP_TOPICS = [
     "ALiBi −m_μ|τ' − σ| = BLOOM's +m_μ·σ under causal (a per-row shift)",
     "documents = a block-diagonal mask",
     "packed documents, causal = each document alone, concatenated",
+    "backward VALUE_GRADS dV_b = Pᵀ dZ_t is d/dV_b of Z_t = P V_b",
+    "backward PROB_GRADS dP = dZ_t V_bᵀ is d/dP of Z_t = P V_b",
+    "backward QUERY_GRADS dQ_t = dS K_b / √a is d/dQ_t of (2g)",
+    "backward KEY_GRADS dK_b = dSᵀ Q_t / √a is d/dK_b of (2g)",
+    "softmax backward dS = A ∘ (dA − Σ_σ A ∘ dA)",
+    "chunked dS = P ∘ (dP − D), D = Σ_a dZ Z is d/dS of softmax_σ(S) V_b",
 ]
 MUTATION_TOPICS = ["swapped indices", "missing 1/√a scale", "wrong group order",
                    "transposed W_O", "off-by-one causal mask", "tiling (a μ)",
                    "tiled GQA heads", "strict prefix", "window off by one",
                    "window aligned top-left", "softcap after B and M",
                    "softcap before the 1/√a scale", "sink counted in", "sign flipped",
-                   "reverse head order", "documents without their ids"]
+                   "reverse head order", "documents without their ids",
+                   "query heads read (r g)", "without its 1/√a", "no row sum",
+                   "sum over queries τ", "D outside the product"]
 
 
 def named(registry: list[Step], name: str) -> Step:
@@ -149,12 +157,17 @@ def test_no_step_holds_vacuously(name):
 def test_steps_use_the_sizes_they_are_given(label):
     """The derivation's own steps use the sizes as given (σ = τ for self-attention); the
     variations' steps add their indices (g, r, C, c) and keep n, τ and i; the patterns'
-    keep every size but take one query fewer at self-attention sizes (τ' ≠ τ)."""
+    keep every size but take one query fewer at self-attention sizes (τ' ≠ τ); the
+    backward's run at gradient_sizes, six sizes that all differ."""
     sizes = SIZES[label]
     variations = derivation.variation_steps(sizes) + derivation.variation_mutations(sizes)
     patterns = derivation.pattern_steps(sizes) + derivation.pattern_mutations(sizes)
+    backward = gradient_steps.steps(sizes) + gradient_steps.mutations(sizes)
     for step in steps(sizes) + mutations(sizes):
-        if step.name in {v.name for v in variations}:
+        if step.name in {b.name for b in backward}:
+            assert step.sizes == gradient_steps.gradient_sizes(sizes), step.name
+            assert len(set(step.sizes.values())) == 6, step.name
+        elif step.name in {v.name for v in variations}:
             assert all(step.sizes[k] == sizes[k] for k in "nτ"), step.name
         elif step.name in {p.name for p in patterns}:
             assert all(step.sizes[k] == sizes[k] for k in "nσiμa"), step.name

@@ -73,7 +73,7 @@ PATTERN_LATEX = [cls.LATEX for cls, _ in PIECES] + [patterns.SINK_LATEX]
 
 DISPLAY = re.compile(r"^\$\$\n(.*?)\n\$\$$", re.M | re.S)
 TAG = re.compile(r"\s*\\tag\{([^}]*)\}$")
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
+FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```$", re.M | re.S)
 
 
 def text_of(constant: str, module: str = "functional") -> str:

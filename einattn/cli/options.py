@@ -117,6 +117,9 @@ def fill_sizes(args: argparse.Namespace, name: str, takes_sizes: bool) -> None:
     if given and not takes_sizes:
         raise UsageError(f"{name} takes no size options ({', '.join(given)}): they belong to "
                          f"trace, verify and einattn with no subcommand")
+    if given and getattr(args, "file", None) is not None:
+        raise UsageError(f"verify FILE takes no size options ({', '.join(given)}): each "
+                         f"derivation block gives its own on a 'sizes:' line")
     for key, default in SIZE_DEFAULTS.items():
         vars(args).setdefault(key, default)
 
@@ -129,6 +132,13 @@ def causal_option(parser: argparse.ArgumentParser) -> None:
 def exact_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true",
                         help="only the multilinear steps, in exact (integer) mode; skip the rest")
+
+
+def file_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", nargs="?", metavar="FILE.md",
+                        help="check the derivation blocks of this markdown file (fenced "
+                        "blocks whose info string is derivation or derivation-latex) "
+                        "instead of the registered steps")
 
 
 # -- the sizes they set ---------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """``einattn verify``: every step of :mod:`einattn.derivation` checked by
-:func:`einattn.verify.check_equivalent`, and the order opt_einsum contracts the scores in."""
+:func:`einattn.verify.check_equivalent`, and the order opt_einsum contracts the scores in;
+``einattn verify FILE.md``: the derivation blocks of a markdown file
+(:mod:`einattn.derivation_files`), a verdict per line."""
 
 from __future__ import annotations
 
@@ -7,9 +9,17 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from .. import derivation, verify
+from .. import derivation, derivation_files, verify
 from ..notation import Equation, Explanation
-from .options import VERIFY_TENSORS, Command, checked_sizes, exact_option, size_options
+from .options import (
+    VERIFY_TENSORS,
+    Command,
+    UsageError,
+    checked_sizes,
+    exact_option,
+    file_argument,
+    size_options,
+)
 from .output import VERDICTS, Output, Paint, letters_text, sizes_text, table
 from .trace import letter_mapping, renamed
 
@@ -142,7 +152,7 @@ def contraction_lines(c: Contraction, paint: Paint) -> list[str]:
             f"{p.largest_intermediate:,} elements"]
 
 
-# -- the subcommand -------------------------------------------------------------------------
+# -- the registered steps ------------------------------------------------------------------
 
 def verify_output(sizes: dict[str, int], *, exact_only: bool, paint: Paint) -> Output:
     steps = derivation.steps(sizes)
@@ -161,10 +171,102 @@ def verify_output(sizes: dict[str, int], *, exact_only: bool, paint: Paint) -> O
     return Output(document, lines, 1 if failed else 0)
 
 
+# -- a derivation file ----------------------------------------------------------------------
+
+def file_result(c: derivation_files.Checked) -> StepResult:
+    """A checked line of a derivation file as a row of the table: named by its text."""
+    r = c.report
+    if r is None:
+        return StepResult(c.step.line.text, c.mode, equal=c.equal, where=c.reason)
+    return StepResult(c.step.line.text, r.mode, r.max_deviation, r.tolerance, r.equal,
+                      r.false_acceptance, r.where)
+
+
+def _block_head(block: derivation_files.Block) -> list[str]:
+    """The block's first line as written, its sizes and, for LaTeX, the equation read."""
+    sizes = " ".join(f"{k}={v}" for k, v in block.sizes.items())
+    which = "sizes" if block.sizes_given else "default sizes, all distinct:"
+    first = block.first
+    head = [f"{block.source}:{first.line.number}  {first.line.text}   ({which} {sizes})"]
+    if block.kind == "derivation-latex":
+        head.append(f"  read as {first.equation}")
+    return head
+
+
+def file_lines(blocks: list[derivation_files.Block], results: list[list[StepResult]],
+               paint: Paint) -> list[str]:
+    """One table: each block's first line, then a row per ``=`` line; then each failure
+    quoted with its line and where it differs; then the count."""
+    rows = [[r.verdict, r.mode, _number(r.max_deviation), _number(r.tolerance),
+             "—" if r.false_acceptance is None else f"≤ {r.false_acceptance:.1e}",
+             str(c.line.number), c.line.text]
+            for block, rs in zip(blocks, results, strict=True)
+            for c, r in zip(block.steps, rs, strict=True)]
+    header = ["verdict", "mode", "max |lhs − rhs|", "tolerance", "false acceptance", "line",
+              "step"]
+    shown = table(header, rows, paint, right=(2, 3, 5))
+    lines, k = [shown[0]], 1
+    for block in blocks:
+        lines += [*_block_head(block), *shown[k:k + len(block.steps)]]
+        k += len(block.steps)
+    flat = [(block, c, r) for block, rs in zip(blocks, results, strict=True)
+            for c, r in zip(block.steps, rs, strict=True)]
+    for block, c, r in flat:
+        if r.verdict == "FAIL":
+            lines.append(f"{paint('FAIL', 'FAIL')} {block.source}:{c.line.number}: "
+                         f"{c.line.text}  — {_differs(r)}")
+    count = {v: sum(r.verdict == v for *_, r in flat) for v in VERDICTS}
+    lines.append(f"{len(flat)} step{'s' * (len(flat) != 1)}: " + ", ".join(
+        paint(f"{k} {verdict}", verdict) for verdict, k in count.items() if k))
+    return lines
+
+
+def _differs(r: StepResult) -> str:
+    if r.max_deviation is None:
+        return r.where
+    return f"max |lhs − rhs| = {r.max_deviation:.3e} at {r.where}"
+
+
+def file_output(path: str, *, exact_only: bool, paint: Paint) -> Output:
+    """``einattn verify FILE.md``: exit 1 if a step fails; a file that cannot be read or a
+    wrong block is an error (exit 2)."""
+    try:
+        blocks = derivation_files.read_file(path)
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}"
+                         ) from None
+    results = [[file_result(c) for c in derivation_files.check_block(b, exact_only=exact_only)]
+               for b in blocks]
+    failed = any(r.verdict == "FAIL" for rs in results for r in rs)
+    mode = ("exact mode only (float-only steps skipped)" if exact_only else
+            "exact steps with integer inputs, the others in float64")
+    head = (f"{path}: {len(blocks)} derivation block{'s' * (len(blocks) != 1)}, each '=' "
+            f"line against its block's first right-hand side; {mode}")
+    document = {"file": str(path), "exact_only": exact_only,
+                "blocks": [_block_json(b, rs) for b, rs in zip(blocks, results, strict=True)],
+                "passed": not failed}
+    return Output(document, [head, "", *file_lines(blocks, results, paint)], 1 if failed else 0)
+
+
+def _block_json(block: derivation_files.Block, results: list[StepResult]) -> dict:
+    """A block for ``--json``: its first line as written and as read, its sizes, its steps
+    (each named by its line as written)."""
+    return {"line": block.first.line.number, "kind": block.kind,
+            "equation": block.first.line.text, "read_as": block.first.equation.text,
+            "sizes": block.sizes, "sizes_given": block.sizes_given,
+            "steps": [{"line": step.line.number, "read_as": step.equation.text, **r.as_json()}
+                      for step, r in zip(block.steps, results, strict=True)]}
+
+
+# -- the subcommand -------------------------------------------------------------------------
+
 def verify_command(args: argparse.Namespace, paint: Paint) -> Output:
+    if args.file is not None:
+        return file_output(args.file, exact_only=args.exact, paint=paint)
     return verify_output(checked_sizes(args, "verify", VERIFY_TENSORS), exact_only=args.exact,
                          paint=paint)
 
 
 COMMAND = Command(verify_command, "check every derivation step (exit 1 if one fails) and "
-                  "show the scores' contraction order", (size_options, exact_option))
+                  "show the scores' contraction order; with FILE.md, check the derivation "
+                  "blocks of that file instead", (size_options, exact_option, file_argument))
