@@ -148,6 +148,9 @@ def test_every_parameters_gradient_is_hfs(name):
 def test_register_is_idempotent_and_capture_refuses_other_implementations():
     hf.register()
     hf.register()
+    config = MODELS["llama"][0]()
+    fresh = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="einattn")
+    assert fresh.config._attn_implementation == "einattn"
     model, _ = _model("llama")
     with pytest.raises(EinattnError, match=r"capture needs a model loaded with an einattn "
                                            r"attention implementation .* got "
