@@ -94,7 +94,20 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     if _softmax.transformed():  # no vmap or jvp rule for the Function below
         return _dense(Q, K, V, mask, pattern)
     with torch.autocast(Q.device.type, enabled=False):
-        return _Attention.apply(Q, K, V, mask, pattern.sinks, pattern, block_size)
+        return _Attention.apply(Q, K, V, mask, pattern.sinks, pattern,
+                                _tile_side(pattern, block_size))
+
+
+def _tile_side(pattern, block_size: int) -> int:
+    """The side of a tile: ``block_size``, or, under a sliding window of ``w`` keys, at most
+    ``max(64, w // 2)``: a band of ``w`` keys cut into square tiles of side ``b`` covers
+    ``b · (w + b)`` scores per ``b`` queries, so ``b ≤ w / 2`` wastes at most a third of
+    them, where ``b = w`` wastes half (measured, causal w = 256 at L = 4096, one thread:
+    forward 56.9 → 43.1 ms, forward+backward 165 → 127 ms, from b = 256 to 128)."""
+    windows = [piece.w for piece in pattern.masks if isinstance(piece, _patterns.Window)]
+    if not windows:
+        return block_size
+    return min(block_size, max(64, min(windows) // 2))
 
 
 def _cast_for_autocast(Q, K, V):
