@@ -20,17 +20,29 @@ from .errors import EinattnError
 class KVCache:
     """Keys, values and key padding of the tokens seen so far, grown by each call.
 
+    Keys and values are written in place into storage that grows geometrically (doubling),
+    or is made once for ``max_length`` positions: each call writes only its new positions,
+    and ``K``, ``V`` are views of the filled part, so a view a caller keeps does not change
+    when later tokens arrive. (Where the new keys carry a gradient, each call's tensors stay
+    their own, as autograd needs, and are concatenated instead.)
+
     >>> cache = KVCache()
     >>> K, V, pad = cache.append(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
     >>> len(cache), tuple(K.shape), pad
     (3, (1, 2, 3, 4), None)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_length: int | None = None) -> None:
+        if max_length is not None and (isinstance(max_length, bool)
+                                       or not isinstance(max_length, int) or max_length < 1):
+            raise EinattnError(f"max_length (the most positions σ the cache holds) must be a "
+                               f"positive int, got {max_length!r}")
+        self.max_length = max_length
         self.K: torch.Tensor | None = None
         self.V: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None  # (n, σ), True = padding, or None
         self.document_ids: torch.Tensor | None = None  # d[n σ], packed documents, or None
+        self._storage: tuple[torch.Tensor, torch.Tensor] | None = None  # [n g capacity a]
 
     def __len__(self) -> int:
         """The number of cached positions σ."""
@@ -38,21 +50,25 @@ class KVCache:
 
     def __repr__(self) -> str:
         shape = None if self.K is None else tuple(self.K.shape)
-        return f"KVCache(length={len(self)}, K[n g σ a]={shape})"
+        limit = "" if self.max_length is None else f", max_length={self.max_length}"
+        return f"KVCache(length={len(self)}{limit}, K[n g σ a]={shape})"
 
     @contextmanager
     def undo_on_error(self) -> Iterator[None]:
         """Put the cache back as it was if the block raises: a call that fails adds nothing."""
-        saved = self.K, self.V, self.padding, self.document_ids
+        saved = self.K, self.V, self.padding, self.document_ids, self._storage
         try:
             yield
         except BaseException:
-            self.K, self.V, self.padding, self.document_ids = saved
+            self.K, self.V, self.padding, self.document_ids, self._storage = saved
             raise
 
     def reset(self) -> None:
-        """Forget every cached token (a new sequence)."""
+        """Forget every cached token (a new sequence). A ``max_length`` cache keeps its
+        storage for the next sequence, which then writes over the views of this one."""
         self.K = self.V = self.padding = self.document_ids = None
+        if self.max_length is None:
+            self._storage = None
 
     def append(self, K: torch.Tensor, V: torch.Tensor,
                key_padding_mask: torch.Tensor | None = None,
@@ -64,16 +80,36 @@ class KVCache:
         self._check(K, V, key_padding_mask)
         self._append_ids(document_ids, K)
         before = len(self)
-        if self.K is None:
-            self.K, self.V = K, V
-        else:
-            self.K, self.V = torch.cat([self.K, K], dim=2), torch.cat([self.V, V], dim=2)
+        self.K, self.V = self._stored(K, V, before)
         if self.padding is not None or key_padding_mask is not None:
             n, L = K.shape[0], K.shape[2]
             old = _no_padding(n, before, K) if self.padding is None else self.padding
             new = _no_padding(n, L, K) if key_padding_mask is None else key_padding_mask
             self.padding = torch.cat([old, new], dim=1)
         return self.K, self.V, self.padding
+
+    def _stored(self, K: torch.Tensor, V: torch.Tensor, before: int):
+        """Every cached position's keys and values with this call's written after the
+        ``before`` cached ones: views of the storage, grown (doubled) where it is full."""
+        L = before + K.shape[2]
+        if self.max_length is not None and L > self.max_length:
+            raise EinattnError(f"the cache holds at most max_length={self.max_length} positions, "
+                               f"but {before} cached and {K.shape[2]} new make {L}")
+        if torch.is_grad_enabled() and (K.requires_grad or V.requires_grad):
+            self._storage = None  # autograd saved the earlier steps' tensors: none is written
+            return (K, V) if self.K is None else (torch.cat([self.K, K], dim=2),
+                                                  torch.cat([self.V, V], dim=2))
+        store = self._storage
+        if store is None or store[0].shape[2] < L or not _fits(store[0], K):
+            capacity = self.max_length or max(L, 2 * (before or K.shape[2]))
+            store = tuple(t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in (K, V))
+            if before:  # the cached part, copied once into the larger storage
+                store[0][:, :, :before].copy_(self.K)
+                store[1][:, :, :before].copy_(self.V)
+            self._storage = store
+        store[0][:, :, before:L].copy_(K)
+        store[1][:, :, before:L].copy_(V)
+        return store[0][:, :, :L], store[1][:, :, :L]
 
     def _append_ids(self, ids: torch.Tensor | None, K: torch.Tensor) -> None:
         if (ids is None) != (self.document_ids is None) and len(self):
@@ -116,6 +152,13 @@ class KVCache:
             if K.dtype != self.K.dtype or K.device != self.K.device:
                 raise EinattnError(f"new keys are {K.dtype} on {K.device} but the cache holds "
                                    f"{self.K.dtype} on {self.K.device}")
+
+
+def _fits(storage: torch.Tensor, K: torch.Tensor) -> bool:
+    """Whether storage kept from before holds keys like ``K`` (batch, heads, width, dtype,
+    device): a cache reset for a sequence of another batch makes new storage."""
+    return (storage.shape[:2] == K.shape[:2] and storage.shape[3] == K.shape[3]
+            and storage.dtype == K.dtype and storage.device == K.device)
 
 
 def _no_padding(n: int, L: int, like: torch.Tensor) -> torch.Tensor:

@@ -218,3 +218,88 @@ def test_the_cache_refuses_a_context_and_other_objects():
         layer(_ones(3), _ones(5), cache=KVCache())
     with pytest.raises(EinattnError, match=r"cache must be an einattn.KVCache, got dict"):
         layer(_ones(3), cache={})
+
+
+# -- storage written in place ---------------------------------------------------------------
+
+
+def _kv(L: int, seed: int):
+    return randn(N, 2, L, 4, seed=seed), randn(N, 2, L, 4, seed=seed + 1)
+
+
+def test_appends_write_in_place_and_leave_earlier_views_as_they_were():
+    """Under no_grad each call writes only its new positions into storage that doubles when
+    full: 8 calls make 3 storages, each view handed out keeps its contents, and the cache
+    equals one torch.cat of every call's keys and values."""
+    cache, handed, pieces, storages = KVCache(), [], [], set()
+    with torch.no_grad():
+        for step, L_new in enumerate([5, 1, 1, 1, 1, 1, 3, 9]):
+            K_new, V_new = _kv(L_new, seed=10 * step)
+            pieces.append((K_new, V_new))
+            K, V, _ = cache.append(K_new, V_new)
+            handed.append((K, V, K.clone(), V.clone()))
+            storages.add(K.untyped_storage().data_ptr())
+    assert len(cache) == 22 and len(storages) == 3
+    for K, V, K_then, V_then in handed:
+        assert torch.equal(K, K_then) and torch.equal(V, V_then)
+    assert torch.equal(cache.K, torch.cat([k for k, _ in pieces], 2))
+    assert torch.equal(cache.V, torch.cat([v for _, v in pieces], 2))
+
+
+def test_max_length_is_made_once_and_refuses_more():
+    cache = KVCache(max_length=8)
+    with torch.no_grad():
+        cache.append(*_kv(3, seed=1))
+        first = cache.K.untyped_storage().data_ptr()
+        cache.append(*_kv(5, seed=2))
+        assert cache.K.untyped_storage().data_ptr() == first and len(cache) == 8
+        with pytest.raises(EinattnError, match=r"the cache holds at most max_length=8 "
+                                               r"positions, but 8 cached and 1 new make 9"):
+            cache.append(*_kv(1, seed=3))
+    assert len(cache) == 8 and "max_length=8" in repr(cache)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(EinattnError, match=rf"max_length .* must be a positive int, "
+                                               rf"got {bad!r}"):
+            KVCache(max_length=bad)
+
+
+def test_a_failed_call_mid_decoding_leaves_length_and_contents_as_they_were():
+    layer = _layer("half", 2, "sdpa")
+    x = randn(N, L, D, seed=12)
+    cache = KVCache()
+    with torch.no_grad():
+        layer(x[:, :6], cache=cache)
+        K, V = cache.K.clone(), cache.V.clone()
+        with pytest.raises(EinattnError, match=r"mask has shape \(4, 4\)"):
+            layer(x[:, 6:9], cache=cache, mask=torch.ones(4, 4, dtype=torch.bool))
+        assert len(cache) == 6 and torch.equal(cache.K, K) and torch.equal(cache.V, V)
+        rest = layer(x[:, 6:], cache=cache)
+    assert_close_scaled(rest, layer(x)[:, 6:], TOL[F64])
+
+
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked", "flex"])
+def test_two_hundred_steps_equal_one_causal_forward(impl):
+    """A prefill of 3 and 200 one-token steps (GQA, RoPE) under no_grad, the storage grown
+    in place, equal one causal forward over the 203 tokens (float64)."""
+    layer = _layer("half", 2, impl, block_size=16)
+    x = randn(1, 203, D, seed=13)
+    cache = KVCache()
+    with torch.no_grad():
+        out = [layer(x[:, :3], cache=cache)]
+        out += [layer(x[:, t:t + 1], cache=cache) for t in range(3, 203)]
+        whole = layer(x, impl="einsum")
+    assert_close_scaled(torch.cat(out, 1), whole, TOL[F64])
+
+
+def test_keys_that_need_a_gradient_are_concatenated_not_written():
+    """With a graph through the steps nothing autograd saved is written over: gradients
+    through a prefill and two steps equal one causal forward's."""
+    layer = _layer("half", 2, "einsum")
+    x = randn(N, 6, D, seed=14, requires_grad=True)
+    cache = KVCache()
+    Y = torch.cat([layer(x[:, :4], cache=cache), layer(x[:, 4:5], cache=cache),
+                   layer(x[:, 5:], cache=cache)], 1)
+    assert cache._storage is None
+    g, = torch.autograd.grad(Y.sum(), x)
+    g_ref, = torch.autograd.grad(layer(x).sum(), x)
+    assert_close_scaled(g, g_ref, TOL[F64])
