@@ -19,8 +19,8 @@ key/value group serves its ``r`` query heads where it lies, never repeated. Only
 ``Q, K, V, Z, lse`` (and the mask) are saved; the backward pass recomputes each tile's
 ``P = exp(S − lse)`` and, with ``D[n μ τ] = Σ_a dZ Z``, uses ``dS = P ∘ (dP − D)``.
 Besides ``O(L·a)`` tensors such as ``Z`` and the gradients, the largest temporary is one
-tile, ``block_size × SPAN · block_size`` per head (neighbouring tiles of a row of queries
-run as one product): nothing of ``L_q × L_k`` elements, nor of ``L_q × block_size``. See
+tile of at most ``SPAN · block_size²`` numbers per head (neighbouring tiles of a row of
+queries run as one product): nothing of ``L_q × L_k`` elements, nor of ``L_q × block_size``. See
 docs/chunked.md.
 
 A query row with no admissible key keeps ``m = −∞`` and ``l = 0``: its ``Z`` is exact
@@ -193,15 +193,16 @@ SPAN = 4  # the widest tile, in key blocks: neighbours in a row of tiles run as 
 
 
 def _spans(tiles, block_size: int) -> list:
-    """The pattern's tiles with neighbours merged, up to ``SPAN`` blocks of keys: fewer,
-    wider products (a window's band of keys in one), the same keys visited. Neighbours
+    """The pattern's tiles with neighbours merged, up to the area of ``SPAN`` tiles (a row of
+    ``SPAN`` key blocks; for one decoding query, ``SPAN · block_size`` blocks): fewer, wider
+    products (a window's band of keys in one), the same keys visited. Neighbours
     merge where they start at the same query (a causal tile starts at its first row that
     sees one of its keys), so no query meets a key it does not see in the same tile."""
-    merged = []
+    merged, area = [], SPAN * block_size * block_size  # a few queries: a longer row of keys
     for t0, t1, s0, s1, partial in tiles:
         if merged:
             m0, m1, n0, n1, m_partial = merged[-1]
-            if (m0, m1, n1) == (t0, t1, s0) and s1 - n0 <= SPAN * block_size:
+            if (m0, m1, n1) == (t0, t1, s0) and (t1 - t0) * (s1 - n0) <= area:
                 merged[-1] = (t0, t1, n0, s1, m_partial or partial)
                 continue
         merged.append((t0, t1, s0, s1, partial))
