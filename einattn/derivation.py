@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import circuits, functional, layouts, linear, masks, reference, rotary
+from . import circuits, cross, functional, layouts, linear, masks, reference, rotary
 from . import gradient_steps as _gradient
 from . import pattern_steps as _pattern
 from .cache import KVCache
@@ -283,6 +283,8 @@ def variation_steps(s: dict[str, int]) -> list[Step]:
     circuit = {k: v for k, v in q.items() if k not in "Bj"}  # fewer sizes: a wider exact span
     prefix = {k: v for k, v in {**lin, "σ": s["τ"]}.items() if k in "nμτσac"}
     return [
+        Step("(1q)+(1kv) = (1) when j = i", functional.PROJECT, cross.split_projection(s["μ"]),
+             s, exact=True),
         Step("GQA (g C a) layout = repeat-interleave reference", *_gqa_layers(μ, g), q,
              exact=False, inputs=_LAYER_GQA),
         Step("W_QK circuit = Q·K scores", *_circuit_scores(μ, g), circuit, exact=True,
@@ -314,6 +316,8 @@ def variation_mutations(s: dict[str, int]) -> list[Step]:
     """Plausible wrong steps of the variations."""
     t = _gqa_sizes({**s, "μ": 6}, g=2)  # the two orders coincide when g = 1 or r = 1
     return [
+        Step("(1kv) with K and V swapped in W_KV", functional.PROJECT,
+             cross.split_projection(s["μ"], swapped=True), s, exact=True),
         Step("tiled GQA heads (r g) read as grouped (g r)", *_tiled(t["μ"], t["g"]), t,
              exact=False, inputs=_LAYER_GQA),
         Step("causal linear attention with a strict prefix σ < τ", _linear_prefix_sums,

@@ -23,6 +23,7 @@ import math
 import torch
 
 from . import _autocast, _softmax, layouts, rotary
+from . import cross as _cross
 from . import masks as _masks
 from . import paths as _paths
 from . import patterns as _patterns
@@ -89,7 +90,7 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
     if context is None:  # W as it lies: the matmul reads W[(g C a) i] as an nn.Linear weight
         P = PROJECT(X=x, W=W, μ=g, B=3) if r == 1 else PROJECT_GQA(X=x, W=W, g=g, C=r + 2)
         return _slots(P if b3 is None else P + b3, r, 1, 1)
-    _check_context(x, context)
+    _cross.check_same_width(x, context)
     W4 = _opened(W, g, r)  # W[g C a i], to take Q's rows apart from K's, V's
     (Q,) = _slots(_project(x, W4[:, :r], None if b3 is None else b3[:, :r], r > 1), r)
     K, V = _slots(_project(context, W4[:, r:], None if b3 is None else b3[:, r:], r > 1), 1, 1)
@@ -140,16 +141,6 @@ def _in_autocast_dtype(b: torch.Tensor) -> torch.Tensor:
     """A bias in the dtype it is added in: autocast's where it is on, its own elsewhere."""
     low = _autocast.dtype(b.device)
     return b if low is None else b.to(low)
-
-
-def _check_context(x: torch.Tensor, context: torch.Tensor) -> None:
-    if context.ndim != 3 or x.ndim != 3:
-        raise EinattnError(f"x {tuple(x.shape)} and context {tuple(context.shape)} must be "
-                           f"3-D X[n τ i] and C[n σ i]")
-    for index, axis in (("n", 0), ("i", 2)):
-        if context.shape[axis] != x.shape[axis]:
-            raise EinattnError(f"index {index!r} has size {context.shape[axis]} in context "
-                               f"but {x.shape[axis]} in x")
 
 
 def check_qkv(Q, K, V) -> None:
@@ -325,7 +316,8 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
                          cache: KVCache | None = None, scale: float | None = None,
                          window: int | None = None, softcap: float | None = None, alibi=False,
                          sinks: torch.Tensor | None = None,
-                         document_ids: torch.Tensor | None = None):
+                         document_ids: torch.Tensor | None = None,
+                         W_KV: torch.Tensor | None = None, b_KV: torch.Tensor | None = None):
     """Equations (1)–(5) composed: ``Y[n τ i]`` from ``X[n τ i]``.
 
     ``dropout`` is applied to ``A`` (pass 0 outside training). ``need_weights=True``
@@ -343,7 +335,9 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     queries attend over everything cached (causal aligned bottom-right);
     ``key_padding_mask`` and ``document_ids`` then mark this call's new keys only.
     ``window``, ``softcap``, ``alibi``, ``sinks`` and ``document_ids`` are the attention
-    patterns of equation (3), as in :func:`attention`.
+    patterns of equation (3), as in :func:`attention`. With ``W_KV`` (and ``b_KV``) the
+    context has a width of its own: ``W`` is then ``W_Q[(μ a) i]`` and equation (1) splits
+    into (1q) and (1kv) (:mod:`einattn.cross`).
 
     ``impl`` chooses how equations (2)–(4) run, on the same parameters: ``"einsum"`` (the
     equations as written; under ``torch.compile`` routed to SDPA, which Inductor fuses),
@@ -360,7 +354,11 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     _check_impl(impl)
     if cache is not None:
         check_cache(cache, context)
-    Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
+    if W_KV is None:
+        Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
+    else:
+        Q, K, V = _cross.project(x, W, context, W_KV, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                 b_Q=b, b_KV=b_KV)
     Q, K = rotary.turned(Q, K, (rope, rope_base, rope_scaling, rotary_dim), positions,
                          offset=0 if cache is None else len(cache), cross=context is not None)
     if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:

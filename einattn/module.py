@@ -54,7 +54,7 @@ class MultiHeadAttention(nn.Module):
                  rope_scaling: dict | None = None, rotary_dim: int | None = None,
                  scale: float | None = None, window: int | None = None,
                  softcap: float | None = None, alibi: bool = False, sinks: bool = False,
-                 device=None, dtype=None):
+                 d_context: int | None = None, device=None, dtype=None):
         super().__init__()
         d_head = _d_head(d_model, n_heads, d_head)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
@@ -76,39 +76,64 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(flag, bool):
                 raise EinattnError(f"{name} must be True or False, got {flag!r}")
         self.alibi = alibi
-        kw = {"device": device, "dtype": dtype}
-        self.W = nn.Parameter(torch.empty(rows, d_model, **kw))
-        self.W_O = nn.Parameter(torch.empty(n_heads, d_head, d_model, **kw))
-        self.b = nn.Parameter(torch.empty(rows, **kw)) if bias else None
-        self.b_O = nn.Parameter(torch.empty(d_model, **kw)) if bias else None
-        self.sinks = nn.Parameter(torch.empty(n_heads, **kw)) if sinks else None  # s[μ]
+        if d_context is not None:
+            _check_positive_int("d_context", d_context)
+        self.d_context = d_context
+        self._make_parameters(rows, bias, sinks, {"device": device, "dtype": dtype})
         self.reset_parameters(init)
+
+    def _make_parameters(self, rows: int, bias: bool, sinks: bool, kw: dict) -> None:
+        """``W[(μ B a) i]`` (or ``W[(g C a) i]``), ``W_O[μ a i]``, the biases, the sinks.
+        With a context of its own width ``j`` (``d_context``), ``W`` splits into
+        ``W_Q[(μ a) i]`` and ``W_KV[(g B a) j]`` (:mod:`einattn.cross`), and ``b`` into
+        ``b_Q``, ``b_KV``: no one weight can project two widths."""
+        μ, a, i = self.n_heads, self.d_head, self.d_model
+        kv = self.n_kv_heads * 2 * a
+        projections = {"W": (rows, i)} if self.d_context is None else \
+            {"W_Q": (μ * a, i), "W_KV": (kv, self.d_context)}
+        for name, shape in projections.items():
+            setattr(self, name, nn.Parameter(torch.empty(*shape, **kw)))
+        self.W_O = nn.Parameter(torch.empty(μ, a, i, **kw))
+        for name, (rows_of, _) in projections.items():  # b, or b_Q and b_KV
+            bias_name = "b" + name[1:]
+            setattr(self, bias_name, nn.Parameter(torch.empty(rows_of, **kw)) if bias else None)
+        self.b_O = nn.Parameter(torch.empty(i, **kw)) if bias else None
+        self.sinks = nn.Parameter(torch.empty(μ, **kw)) if sinks else None  # s[μ]
+        if self.d_context is not None:  # read as None, as a layer without them is
+            self.register_parameter("W", None)
+            self.register_parameter("b", None)
 
     def reset_parameters(self, init: str = "torch") -> None:
         """``"torch"``: W xavier-uniform, W_O uniform(±1/√(μ·a)) as nn.Linear, biases 0
-        (``nn.MultiheadAttention``'s scheme); ``"gpt2"``: weights N(0, 0.02²), biases 0.
-        Sink logits ``s[μ]`` start at 0 either way."""
+        (``nn.MultiheadAttention``'s scheme; ``W_Q`` and ``W_KV`` each xavier-uniform, as
+        its separate projections are); ``"gpt2"``: weights N(0, 0.02²), biases 0. Sink
+        logits ``s[μ]`` start at 0 either way."""
+        weights = [self.W] if self.d_context is None else [self.W_Q, self.W_KV]
+        biases = [self.b, self.b_O, self.sinks] if self.d_context is None \
+            else [self.b_Q, self.b_KV, self.b_O, self.sinks]
         with torch.no_grad():
             if init == "torch":
-                nn.init.xavier_uniform_(self.W)
+                for W in weights:
+                    nn.init.xavier_uniform_(W)
                 bound = 1.0 / math.sqrt(self.n_heads * self.d_head)
                 nn.init.uniform_(self.W_O, -bound, bound)
             elif init == "gpt2":
-                nn.init.normal_(self.W, std=0.02)
-                nn.init.normal_(self.W_O, std=0.02)
+                for W in (*weights, self.W_O):
+                    nn.init.normal_(W, std=0.02)
             else:
                 raise EinattnError(f"init must be 'torch' or 'gpt2', got {init!r}")
-            for bias in (self.b, self.b_O, self.sinks):
+            for bias in biases:
                 if bias is not None:
                     bias.zero_()
 
     def extra_repr(self) -> str:
         grouped = f"n_kv_heads={self.n_kv_heads}, " if self.n_kv_heads != self.n_heads else ""
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, {grouped}d_head={self.d_head}, "
-                f"bias={self.b is not None}, dropout={self.dropout}, causal={self.causal}, "
+                f"bias={self.b_O is not None}, dropout={self.dropout}, causal={self.causal}, "
                 f"impl={self.impl!r}" + (f", rope={self.rope!r}" if self.rope else "")
                 + "".join(f", {k}={getattr(self, k)!r}" for k in ("rope_scaling", "rotary_dim",
-                                                                   "scale", "window", "softcap")
+                                                                   "scale", "window", "softcap",
+                                                                   "d_context")
                           if getattr(self, k) is not None)
                 + (", alibi=True" if self.alibi else "")
                 + (", sinks=True" if self.sinks is not None else ""))
@@ -142,8 +167,10 @@ class MultiHeadAttention(nn.Module):
         # w's entries go by name, not as **w: docs/performance.md, "How the fast paths are fast"
         w = self._attention_weights()
         self._check_input("x", x, w["W"])
+        if self.d_context is not None:
+            context = self._own_context(x, context)
         if context is not None:
-            self._check_input("context", context, w["W"])
+            self._check_input("context", context, w["W"], self.d_context)
         return functional.multi_head_attention(
             x, w["W"], w["W_O"], b=w["b"], b_O=w["b_O"], n_heads=w["n_heads"],
             n_kv_heads=w["n_kv_heads"], context=context, mask=mask,
@@ -154,7 +181,7 @@ class MultiHeadAttention(nn.Module):
             rope=self.rope, rope_base=self.rope_base, rope_scaling=self.rope_scaling,
             rotary_dim=self.rotary_dim, positions=positions, cache=cache, scale=self.scale,
             window=self.window, softcap=self.softcap, alibi=w["alibi"], sinks=w["sinks"],
-            document_ids=document_ids)
+            document_ids=document_ids, W_KV=w["W_KV"], b_KV=w["b_KV"])
 
     def _attention_weights(self) -> dict:
         """What forward hands :func:`einattn.functional.multi_head_attention`: parameters
@@ -166,18 +193,38 @@ class MultiHeadAttention(nn.Module):
         attribute: a parametrized one (``torch.nn.utils.parametrize``, ``weight_norm``), a
         pruned one, FSDP's views, ``nn.DataParallel``'s replicas."""
         p = self._parameters
-        W, W_O, b, b_O, sinks = [p[name] if name in p else getattr(self, name)
-                                 for name in ("W", "W_O", "b", "b_O", "sinks")]
+        fused = self.d_context is None  # else W_Q and W_KV: W is W_Q, b is b_Q
+        W, b, W_O, b_O, sinks, W_KV, b_KV = [
+            p[name] if name in p else getattr(self, name, None)
+            for name in ("W" if fused else "W_Q", "b" if fused else "b_Q", "W_O", "b_O",
+                         "sinks", "W_KV", "b_KV")]
         return {"W": W, "W_O": W_O, "b": b, "b_O": b_O, "sinks": sinks, "alibi": self.alibi,
-                "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
+                "W_KV": W_KV, "b_KV": b_KV, "n_heads": self.n_heads,
+                "n_kv_heads": self.n_kv_heads}
 
-    def _check_input(self, name: str, t: torch.Tensor, W: torch.Tensor) -> None:
+    def _own_context(self, x: torch.Tensor, context):
+        """The context a ``d_context`` layer projects through ``W_KV``: ``x`` itself where
+        none is given and ``x`` has the context's width."""
+        if context is not None:
+            return context
+        if self.d_context != self.d_model:
+            raise EinattnError(f"this layer reads its keys and values from a context "
+                               f"C[n σ j] of width j = d_context = {self.d_context} through "
+                               f"W_KV[(g B a) j]: pass context=")
+        return x
+
+    def _check_input(self, name: str, t: torch.Tensor, W: torch.Tensor,
+                     d_context: int | None = None) -> None:
+        """``t`` is ``(n, L, d_model)``, or a ``d_context`` layer's context ``(n, L,
+        d_context)``, in the dtype and on the device of the layer's weights."""
         if not isinstance(t, torch.Tensor):
             raise EinattnError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 3 or t.shape[-1] != self.d_model:
+        width, size, index, weight = ("d_model", self.d_model, "i", "W") if d_context is None \
+            else ("d_context", d_context, "j", "W_KV")
+        if t.ndim != 3 or t.shape[-1] != size:
             raise EinattnError(f"{name} has shape {tuple(t.shape)} but the layer expects "
-                               f"(n, L, d_model={self.d_model}) (index 'i' has size "
-                               f"{self.d_model} in W)")
+                               f"(n, L, {width}={size}) (index {index!r} has size "
+                               f"{size} in {weight})")
         if t.dtype != W.dtype:
             raise EinattnError(f"{name} is {t.dtype} but the layer's W is {W.dtype}; "
                                f"convert one with .to()")
@@ -192,9 +239,10 @@ class MultiHeadAttention(nn.Module):
                          b_q=None, b_k=None, b_v=None, b_o=None,
                          **layer_options) -> MultiHeadAttention:
         """A layer from ``nn.Linear``-layout weights ``W_q: ((μ a), i)``, ``W_k, W_v:
-        ((g a), i)`` and ``W_o: (i, (μ a))``, the form every reshape-based implementation
+        ((g a), j)`` and ``W_o: (i, (μ a))``, the form every reshape-based implementation
         keeps. ``n_kv_heads`` defaults to what ``W_k``'s rows imply (``n_heads`` without
-        grouped-query attention)."""
+        grouped-query attention); ``j`` (``W_k``'s columns) other than ``i`` makes a
+        ``d_context`` layer, whose keys and values come from a context of that width."""
         _check_positive_int("n_heads", n_heads)
         if not isinstance(W_q, torch.Tensor) or W_q.ndim != 2:
             shape = tuple(W_q.shape) if isinstance(W_q, torch.Tensor) else type(W_q).__name__
@@ -203,12 +251,12 @@ class MultiHeadAttention(nn.Module):
         if rows % n_heads:
             raise EinattnError(f"W_q has {rows} rows, not divisible by n_heads={n_heads}")
         d_head = rows // n_heads
-        if n_kv_heads is None and isinstance(W_k, torch.Tensor) and W_k.ndim == 2:
+        keys_2d = isinstance(W_k, torch.Tensor) and W_k.ndim == 2
+        if n_kv_heads is None and keys_2d:
             n_kv_heads = max(1, W_k.shape[0] // d_head)
         g, _ = layouts.groups(n_heads, n_kv_heads)
-        kv = g * d_head
-        expected = {"W_k": (W_k, "[(g a) i]", (kv, d_model)),
-                    "W_v": (W_v, "[(g a) i]", (kv, d_model)),
+        kv, j = g * d_head, W_k.shape[1] if keys_2d else d_model
+        expected = {"W_k": (W_k, "[(g a) j]", (kv, j)), "W_v": (W_v, "[(g a) j]", (kv, j)),
                     "W_o": (W_o, "[i (μ a)]", (d_model, rows)),
                     "b_q": (b_q, "[(μ a)]", (rows,)), "b_k": (b_k, "[(g a)]", (kv,)),
                     "b_v": (b_v, "[(g a)]", (kv,)), "b_o": (b_o, "[i]", (d_model,))}
@@ -216,21 +264,39 @@ class MultiHeadAttention(nn.Module):
             if t is not None and tuple(t.shape) != want:
                 raise EinattnError(f"{name} has shape {tuple(t.shape)} but {name}{pattern} needs "
                                    f"{want}: from W_q, i = d_model = {d_model} and "
-                                   f"(μ a) = {rows}; (g a) = {kv}")
+                                   f"(μ a) = {rows}; (g a) = {kv}; from W_k, j = {j}")
         _check_fixed("from_projections", layer_options)
-        bias = any(v is not None for v in (b_q, b_k, b_v, b_o))
-        layer = cls(d_model, n_heads, d_head=d_head, n_kv_heads=g, bias=bias,
-                    device=W_q.device, dtype=W_q.dtype, **layer_options)
-        heads = {"n_heads": n_heads, "n_kv_heads": g}
-        with torch.no_grad():
-            layer.W.copy_(layouts.fuse_qkv(W_q, W_k, W_v, **heads))
-            layer.W_O.copy_(layouts.W_O_from_linear(W_o, n_heads=n_heads))
-            if bias:
-                b_q = W_q.new_zeros(rows) if b_q is None else b_q
-                b_k, b_v = (W_q.new_zeros(kv) if v is None else v for v in (b_k, b_v))
-                layer.b.copy_(layouts.fuse_qkv(b_q, b_k, b_v, **heads))
-                layer.b_O.copy_(W_o.new_zeros(d_model) if b_o is None else b_o)
+        layer = cls(d_model, n_heads, d_head=d_head, n_kv_heads=g,
+                    bias=any(v is not None for v in (b_q, b_k, b_v, b_o)),
+                    d_context=None if j == d_model else j, device=W_q.device,
+                    dtype=W_q.dtype, **layer_options)
+        layer._load(W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o)
         return layer
+
+    def _load(self, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o) -> None:
+        """Copy ``nn.Linear``-layout weights in; a bias not given is zero where the layer
+        has biases."""
+        with torch.no_grad():
+            self._load_qkv(("W", "W_Q", "W_KV"), W_q, W_k, W_v)
+            self.W_O.copy_(layouts.W_O_from_linear(W_o, n_heads=self.n_heads))
+            if self.b_O is not None:
+                b_q, b_k, b_v = (w.new_zeros(w.shape[0]) if t is None else t
+                                 for t, w in ((b_q, W_q), (b_k, W_k), (b_v, W_v)))
+                self._load_qkv(("b", "b_Q", "b_KV"), b_q, b_k, b_v)
+                self.b_O.copy_(W_o.new_zeros(self.d_model) if b_o is None else b_o)
+
+    def _load_qkv(self, names: tuple[str, str, str], q, k, v) -> None:
+        """Query, key and value rows into ``W[(g C a) i]``, or into ``W_Q[(μ a) i]`` and
+        ``W_KV[(g B a) j]`` (or the biases named so)."""
+        fused, query, key_value = names
+        if self.d_context is None:
+            getattr(self, fused).copy_(layouts.fuse_qkv(q, k, v, n_heads=self.n_heads,
+                                                        n_kv_heads=self.n_kv_heads))
+            return
+        getattr(self, query).copy_(q)
+        g = self.n_kv_heads
+        getattr(self, key_value).copy_(
+            torch.stack([k.unflatten(0, (g, -1)), v.unflatten(0, (g, -1))], 1).flatten(0, 2))
 
     @classmethod
     def from_fused(cls, W: torch.Tensor, W_O: torch.Tensor, b: torch.Tensor | None = None,
@@ -254,25 +320,42 @@ class MultiHeadAttention(nn.Module):
 
     def projections(self) -> Projections:
         """The inverse of :meth:`from_projections`: detached copies, in ``nn.Linear`` layout."""
-        heads = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
-        W_q, W_k, W_v = layouts.split_qkv(self.W.detach(), **heads)
+        W_q, W_k, W_v = self._qkv("W", "W_Q", "W_KV")
         W_o = layouts.W_O_to_linear(self.W_O.detach())
         b_q = b_k = b_v = b_o = None
-        if self.b is not None:
-            b_q, b_k, b_v = layouts.split_qkv(self.b.detach(), **heads)
+        if self.b_O is not None:
+            b_q, b_k, b_v = self._qkv("b", "b_Q", "b_KV")
             b_o = self.b_O.detach()
         return Projections(*(None if t is None else t.clone()
                              for t in (W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o)))
 
+    def _qkv(self, *names: str) -> tuple[torch.Tensor, ...]:
+        """The query, key and value rows (``nn.Linear`` layout) of ``W`` or of ``W_Q`` and
+        ``W_KV`` (or of the biases named so), detached."""
+        fused, query, key_value = (getattr(self, name, None) for name in names)
+        if self.d_context is None:
+            return layouts.split_qkv(fused.detach(), n_heads=self.n_heads,
+                                     n_kv_heads=self.n_kv_heads)
+        K, V = key_value.detach().unflatten(0, (self.n_kv_heads, 2, -1)).unbind(1)
+        return query.detach(), K.flatten(0, 1), V.flatten(0, 1)
+
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, **layer_options) -> MultiHeadAttention:
         """An equivalent layer from ``nn.MultiheadAttention`` (batch_first either way: einattn
-        is always batch-first; bias either way)."""
-        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
-            raise EinattnError("from_torch needs kdim = vdim = embed_dim and no add_bias_kv or "
-                               "add_zero_attn: einattn's fused W projects one d_model")
+        is always batch-first; bias either way); ``kdim = vdim`` other than ``embed_dim``
+        makes a ``d_context`` layer."""
+        if mha.kdim != mha.vdim:
+            raise EinattnError(f"from_torch needs kdim = vdim (one context C[n σ j] gives the "
+                               f"keys and the values), got kdim={mha.kdim}, vdim={mha.vdim}")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise EinattnError("from_torch needs no add_bias_kv or add_zero_attn: einattn's "
+                               "keys and values are the context's alone")
         n_heads = mha.num_heads
-        W_q, W_k, W_v = mha.in_proj_weight.detach().chunk(3)
+        if mha._qkv_same_embed_dim:
+            W_q, W_k, W_v = mha.in_proj_weight.detach().chunk(3)
+        else:
+            W_q, W_k, W_v = (w.detach() for w in (mha.q_proj_weight, mha.k_proj_weight,
+                                                   mha.v_proj_weight))
         b = mha.in_proj_bias
         b_q, b_k, b_v = (None,) * 3 if b is None else b.detach().chunk(3)
         b_o = None if mha.out_proj.bias is None else mha.out_proj.bias.detach()
@@ -305,17 +388,26 @@ class MultiHeadAttention(nn.Module):
         if self.n_heads * self.d_head != self.d_model:
             raise EinattnError(f"nn.MultiheadAttention needs n_heads·d_head = d_model, but "
                                f"{self.n_heads}·{self.d_head} != {self.d_model}")
-        p = self.projections()
         mha = nn.MultiheadAttention(self.d_model, self.n_heads, dropout=self.dropout,
-                                    bias=self.b is not None, batch_first=True,
-                                    device=self.W.device, dtype=self.W.dtype)
-        with torch.no_grad():
-            mha.in_proj_weight.copy_(torch.cat([p.W_q, p.W_k, p.W_v]))
-            mha.out_proj.weight.copy_(p.W_o)
-            if self.b is not None:
-                mha.in_proj_bias.copy_(torch.cat([p.b_q, p.b_k, p.b_v]))
-                mha.out_proj.bias.copy_(p.b_o)
+                                    bias=self.b_O is not None, batch_first=True,
+                                    kdim=self.d_context, vdim=self.d_context,
+                                    device=self.W_O.device, dtype=self.W_O.dtype)
+        _copy_into(mha, self.projections())
         return mha.train(self.training)
+
+
+def _copy_into(mha: nn.MultiheadAttention, p: Projections) -> None:
+    """``nn.Linear``-layout weights into ``nn.MultiheadAttention``'s own parameters."""
+    with torch.no_grad():
+        if mha._qkv_same_embed_dim:
+            mha.in_proj_weight.copy_(torch.cat([p.W_q, p.W_k, p.W_v]))
+        else:  # kdim = vdim ≠ embed_dim: three separate weights
+            for name, w in (("q", p.W_q), ("k", p.W_k), ("v", p.W_v)):
+                getattr(mha, f"{name}_proj_weight").copy_(w)
+        mha.out_proj.weight.copy_(p.W_o)
+        if p.b_o is not None:
+            mha.in_proj_bias.copy_(torch.cat([p.b_q, p.b_k, p.b_v]))
+            mha.out_proj.bias.copy_(p.b_o)
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -324,7 +416,8 @@ def _check_positive_int(name: str, value) -> None:
 
 
 def _check_fixed(method: str, layer_options: dict) -> None:
-    fixed = {"d_model", "n_heads", "d_head", "bias", "device", "dtype"} & set(layer_options)
+    fixed = {"d_model", "n_heads", "d_head", "bias", "device", "dtype",
+             "d_context"} & set(layer_options)
     if fixed:
         raise EinattnError(f"{method} takes {', '.join(sorted(fixed))} from the weights; pass "
                            f".to(...) on the result to change dtype or device")

@@ -61,6 +61,10 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
     if not isinstance(layer, MultiHeadAttention):
         raise EinattnError(f"shard_heads needs an einattn.MultiHeadAttention, got "
                            f"{type(layer).__name__}")
+    if layer.d_context is not None:
+        raise EinattnError(f"shard_heads splits the fused W[(μ B a) i]; this layer projects a "
+                           f"context of width d_context={layer.d_context} through W_Q and W_KV, "
+                           f"which it does not shard yet")
     if isinstance(layer, HeadParallel):
         raise EinattnError(f"this layer is already sharded over a mesh of size "
                            f"{layer.device_mesh.size()}; gather_heads(layer) returns an "
@@ -149,7 +153,7 @@ class HeadParallel:
         return {"W": self.W.to_local(), "W_O": self.W_O.to_local(),
                 "b": None if self.b is None else self.b.to_local(), "b_O": None,
                 "sinks": None if self.sinks is None else self.sinks.to_local(),
-                "alibi": alibi, "n_heads": self.n_local_heads,
+                "alibi": alibi, "W_KV": None, "b_KV": None, "n_heads": self.n_local_heads,
                 "n_kv_heads": self.n_local_kv_heads}
 
     def _to_local_heads(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -191,11 +191,24 @@ BAD = {
     "key_padding_mask-list": (_cross(key_padding_mask=[[False] * L_K] * N),
                               r"key_padding_mask has shape list but must be \(n, σ\) = \(2, 7\)"),
     # -- conversions -------------------------------------------------------------------------
-    "from_torch-kdim": (lambda: MultiHeadAttention.from_torch(
-        nn.MultiheadAttention(D, H, kdim=20, vdim=20)),
-        r"from_torch needs kdim = vdim = embed_dim and no add_bias_kv or add_zero_attn"),
+    "from_torch-kdim-vdim": (lambda: MultiHeadAttention.from_torch(
+        nn.MultiheadAttention(D, H, kdim=20, vdim=12)),
+        r"from_torch needs kdim = vdim \(one context C\[n σ j\] gives the keys and the "
+        r"values\), got kdim=20, vdim=12"),
     "from_torch-vdim": (lambda: MultiHeadAttention.from_torch(nn.MultiheadAttention(D, H, vdim=12)),
-                        r"from_torch needs kdim = vdim = embed_dim"),
+                        rf"from_torch needs kdim = vdim .*got kdim={D}, vdim=12"),
+    "from_torch-bias-kv": (lambda: MultiHeadAttention.from_torch(
+        nn.MultiheadAttention(D, H, add_bias_kv=True)),
+        r"from_torch needs no add_bias_kv or add_zero_attn"),
+    "d_context-not-int": (lambda: _layer(d_context=2.5),
+                          r"d_context must be a positive int, got 2.5"),
+    "d_context-no-context": (lambda: _layer(d_context=7)(_x()),
+                             r"this layer reads its keys and values from a context C\[n σ j\] "
+                             r"of width j = d_context = 7 through W_KV\[\(g B a\) j\]: pass "
+                             r"context="),
+    "d_context-wrong-width": (lambda: _layer(d_context=7)(_x(), torch.ones(2, 3, 8, dtype=F64)),
+                              r"context has shape \(2, 3, 8\) but the layer expects "
+                              r"\(n, L, d_context=7\) \(index 'j' has size 7 in W_KV\)"),
     "from_torch-add_bias_kv": (lambda: MultiHeadAttention.from_torch(
         nn.MultiheadAttention(D, H, add_bias_kv=True)), r"no add_bias_kv or add_zero_attn"),
     "from_torch-add_zero_attn": (lambda: MultiHeadAttention.from_torch(
@@ -211,7 +224,8 @@ BAD = {
     "from_projections-W_q-1d": (_projections(W_q=torch.ones(30)),
                                 r"W_q must be a 2-D weight W_q\[\(μ a\) i\], got \(30,\)"),
     "from_projections-W_k": (_projections(W_k=torch.ones(30, 31)),
-                             r"W_k has shape \(30, 31\) but W_k\[\(g a\) i\] needs \(30, 30\)"),
+                             r"W_v has shape \(30, 30\) but W_v\[\(g a\) j\] needs \(30, 31\)"
+                             r".*from W_k, j = 31"),
     "from_projections-W_o-transposed": (
         _projections(W_q=torch.ones(35, D), W_k=torch.ones(35, D), W_v=torch.ones(35, D),
                      W_o=torch.ones(35, D)),

@@ -24,6 +24,7 @@ SIZES = {
 
 # What the derivation must cover: one phrase per step, found in exactly one step's name.
 STEP_TOPICS = [
+    "(1q)+(1kv) = (1) when j = i",
     "fused projection = three separate projections",
     "scores as one four-operand contraction X W_Q W_K X = Q·K",
     "index fusion (a i) = a·p + i",
@@ -56,7 +57,8 @@ STEP_TOPICS = [
     "softmax backward dS = A ∘ (dA − Σ_σ A ∘ dA)",
     "chunked dS = P ∘ (dP − D), D = Σ_a dZ Z is d/dS of softmax_σ(S) V_b",
 ]
-MUTATION_TOPICS = ["swapped indices", "missing 1/√a scale", "wrong group order",
+MUTATION_TOPICS = ["K and V swapped in W_KV", "swapped indices", "missing 1/√a scale",
+                   "wrong group order",
                    "transposed W_O", "off-by-one causal mask", "tiling (a μ)",
                    "tiled GQA heads", "strict prefix", "window off by one",
                    "window aligned top-left", "softcap after B and M",

@@ -459,6 +459,9 @@ SINGLE_PROCESS_ERRORS = {
                     r"shard_heads needs an einattn.MultiHeadAttention, got Linear"),
     "not a mesh": (lambda: par.shard_heads(MultiHeadAttention(8, 2), [0, 1]),
                    r"device_mesh must be a torch.distributed DeviceMesh, got list"),
+    "own context width": (lambda: par.shard_heads(MultiHeadAttention(8, 2, d_context=6), None),
+                          r"this layer projects a context of width d_context=6 through W_Q and "
+                          r"W_KV, which it does not shard yet"),
     "gather unsharded": (lambda: par.gather_heads(MultiHeadAttention(8, 2)),
                          r"gather_heads needs a layer sharded by shard_heads, got "
                          r"MultiHeadAttention"),
