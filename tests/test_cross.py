@@ -44,11 +44,18 @@ def test_equals_torch_multihead_attention_with_kdim_and_vdim(impl):
     Y = layer(x, c, key_padding_mask=pad)
     Y_ref = mha(x, c, c, key_padding_mask=pad, need_weights=False)[0]
     assert_close_scaled(Y, Y_ref, TOL[F64])
-    for g, g_ref in zip(_grads(Y, [x, c, *layer.parameters()]),
-                        _grads(Y_ref, [x, c, mha.in_proj_bias, mha.out_proj.weight,
-                                       mha.out_proj.bias]), strict=False):
-        if g.shape == g_ref.shape:
-            assert_close_scaled(g, g_ref, TOL[F64])
+    ours = [x, c, layer.W_Q, layer.W_KV, layer.W_O, layer.b_Q, layer.b_KV, layer.b_O]
+    theirs = [x, c, mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight,
+              mha.out_proj.weight, mha.in_proj_bias, mha.out_proj.bias]
+    dx, dc, dW_Q, dW_KV, dW_O, db_Q, db_KV, db_O = _grads(Y, ours)
+    ex, ec, eW_q, eW_k, eW_v, eW_o, eb_in, eb_o = _grads(Y_ref, theirs)
+    dK, dV = dW_KV.unflatten(0, (MU, 2, -1)).unbind(1)  # W_KV[(g B a) j], g = μ here
+    db_K, db_V = db_KV.unflatten(0, (MU, 2, -1)).unbind(1)
+    pairs = [(dx, ex), (dc, ec), (dW_Q, eW_q), (dK.flatten(0, 1), eW_k),
+             (dV.flatten(0, 1), eW_v), (dW_O.flatten(0, 1).T, eW_o),
+             (torch.cat([db_Q, db_K.flatten(), db_V.flatten()]), eb_in), (db_O, eb_o)]
+    for g, g_ref in pairs:  # every gradient: the inputs' and every parameter's
+        assert_close_scaled(g, g_ref, TOL[F64])
     back = layer.to_torch()
     assert back.kdim == back.vdim == D_C
     assert_close_scaled(back(x, c, c, key_padding_mask=pad)[0], Y_ref, TOL[F64])
@@ -104,7 +111,13 @@ def test_equals_a_diffusers_style_cross_attention():
     Y_ref = to_out((A_ @ v).transpose(1, 2).reshape(N, L_Q, MU * A))
     Y = layer(x, c)
     assert_close_scaled(Y, Y_ref, TOL[F64])
-    for g, g_ref in zip(_grads(Y, [x, c]), _grads(Y_ref, [x, c]), strict=True):
+    dx, dc, dW_Q, dW_KV, dW_O, db_O = _grads(Y, [x, c, layer.W_Q, layer.W_KV, layer.W_O,
+                                                 layer.b_O])
+    ex, ec, eq, ek, ev, eo, eb = _grads(Y_ref, [x, c, to_q.weight, to_k.weight, to_v.weight,
+                                                to_out.weight, to_out.bias])
+    dK, dV = dW_KV.unflatten(0, (MU, 2, -1)).unbind(1)
+    for g, g_ref in [(dx, ex), (dc, ec), (dW_Q, eq), (dK.flatten(0, 1), ek),
+                     (dV.flatten(0, 1), ev), (dW_O.flatten(0, 1).T, eo), (db_O, eb)]:
         assert_close_scaled(g, g_ref, TOL[F64])
 
 
