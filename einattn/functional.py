@@ -354,16 +354,9 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     _check_impl(impl)
     if cache is not None:
         check_cache(cache, context)
-    if W_KV is None:
-        Q, K, V = project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
-    else:
-        Q, K, V = _cross.project(x, W, context, W_KV, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                                 b_Q=b, b_KV=b_KV)
+    Q, K, V = _projected(x, W, b, context, W_KV, b_KV, n_heads, n_kv_heads, W_O)
     Q, K = rotary.turned(Q, K, (rope, rope_base, rope_scaling, rotary_dim), positions,
                          offset=0 if cache is None else len(cache), cross=context is not None)
-    if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
-        raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
-                           f"Y[n τ i] must have the model width of X[n τ i]")
     terms = _terms(window, softcap, alibi, sinks, document_ids)
     # run's arguments by position (why: docs/performance.md, "How the fast paths are fast")
     how = (mask, causal, terms, dropout, impl, block_size, need_weights or return_intermediates)
@@ -380,6 +373,17 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
         return Y, {"Q": Q, "K": K, "V": V, **stages,
                    "Y_μ": head_contributions(stages["Z"], W_O), "Y": Y}
     return (Y, stages["A"]) if need_weights else Y
+
+
+def _projected(x, W, b, context, W_KV, b_KV, n_heads: int, n_kv_heads, W_O):
+    """Q, K, V by (1), or (1q) and (1kv) given ``W_KV``; then ``W_O`` must write x's width."""
+    QKV = (project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
+           if W_KV is None else _cross.project(x, W, context, W_KV, n_heads=n_heads,
+                                               n_kv_heads=n_kv_heads, b_Q=b, b_KV=b_KV))
+    if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
+        raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
+                           f"Y[n τ i] must have the model width of X[n τ i]")
+    return QKV
 
 
 def _terms(window, softcap, alibi, sinks, document_ids) -> dict | None:

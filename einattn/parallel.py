@@ -58,17 +58,7 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
     ``K[n g σ a]`` with ``n_local_kv_heads`` groups; ``rope`` and ``positions`` work as on
     one device. Call the layer, not ``layer.forward``: the sum over ranks is a forward hook.
     """
-    if not isinstance(layer, MultiHeadAttention):
-        raise EinattnError(f"shard_heads needs an einattn.MultiHeadAttention, got "
-                           f"{type(layer).__name__}")
-    if layer.d_context is not None:
-        raise EinattnError(f"shard_heads splits the fused W[(μ B a) i]; this layer projects a "
-                           f"context of width d_context={layer.d_context} through W_Q and W_KV, "
-                           f"which it does not shard yet")
-    if isinstance(layer, HeadParallel):
-        raise EinattnError(f"this layer is already sharded over a mesh of size "
-                           f"{layer.device_mesh.size()}; gather_heads(layer) returns an "
-                           f"unsharded copy")
+    _check_shardable(layer)
     if not isinstance(device_mesh, DeviceMesh):
         raise EinattnError(f"device_mesh must be a torch.distributed DeviceMesh, got "
                            f"{type(device_mesh).__name__}")
@@ -98,6 +88,21 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
     layer.register_forward_pre_hook(HeadParallel._to_local_heads, with_kwargs=True)
     layer.register_forward_hook(HeadParallel._to_all_heads, prepend=True)  # before others
     return layer
+
+
+def _check_shardable(layer) -> None:
+    """An unsharded MultiHeadAttention whose heads lie in the one fused W."""
+    if not isinstance(layer, MultiHeadAttention):
+        raise EinattnError(f"shard_heads needs an einattn.MultiHeadAttention, got "
+                           f"{type(layer).__name__}")
+    if layer.d_context is not None:
+        raise EinattnError(f"shard_heads splits the fused W[(μ B a) i]; this layer projects a "
+                           f"context of width d_context={layer.d_context} through W_Q and W_KV, "
+                           f"which it does not shard yet")
+    if isinstance(layer, HeadParallel):
+        raise EinattnError(f"this layer is already sharded over a mesh of size "
+                           f"{layer.device_mesh.size()}; gather_heads(layer) returns an "
+                           f"unsharded copy")
 
 
 def gather_heads(layer: MultiHeadAttention) -> MultiHeadAttention:
