@@ -24,8 +24,8 @@ queries run as one product): nothing of ``L_q × L_k`` elements, nor of ``L_q ×
 docs/chunked.md.
 
 A query row with no admissible key keeps ``m = −∞`` and ``l = 0``: its ``Z`` is exact
-zeros and its ``lse`` is set to ``+∞``, so that the backward pass recomputes ``P = 0``
-there. No finite sentinel stands in for ``−∞``.
+zeros and its ``lse`` is ``−∞`` (an empty sum), which the backward pass reads as ``+∞``
+(:func:`for_backward`), so that it recomputes ``P = 0`` there. No finite sentinel stands in for ``−∞``.
 
 Every tile runs in at least float32 (:func:`_accumulator`): float16 and bfloat16 inputs
 are widened once, so that ``S − lse`` and ``dP − D`` are formed in the precision the
@@ -138,7 +138,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, K, V, mask, sinks, pattern, block_size: int):
         Z, lse = _forward(Q, K, V, mask, pattern, block_size)
-        ctx.save_for_backward(Q, K, V, Z, lse, mask, sinks)
+        ctx.save_for_backward(Q, K, V, Z, for_backward(lse), mask, sinks)
         ctx.pattern, ctx.block_size = pattern, block_size
         return Z
 
@@ -245,10 +245,15 @@ def _forward(Q, K, V, mask, pattern, block_size: int):
         PV = _functional.VALUES_GQA(A=P, V=V[:, :, sigma])
         O[:, :, tau].mul_(rescale[..., None]).add_(PV)
         m[:, :, tau] = m_new
-    dead = l == 0  # no admissible key (or L_k = 0), no sink: Z = 0 and P = 0 in backward
+    dead = l == 0  # no admissible key (or L_k = 0), no sink: Z = 0, lse = m + log 0 = −∞
     Z = O.div_(l.masked_fill(dead, 1.0)[..., None]).to(out_dtype)  # in O's memory
-    lse = (m + torch.log(l)).masked_fill(dead, _INF)
-    return Z, lse
+    return Z, m + torch.log(l)
+
+
+def for_backward(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` as the backward pass reads it: ``+∞`` where a row saw no key (``−∞``), so
+    that ``P = exp(S − lse)`` recomputes as 0 there."""
+    return lse.masked_fill(lse == -_INF, _INF)
 
 
 def _backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: bool):
