@@ -29,11 +29,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from . import functional, ring, rotary
 from .errors import EinattnError
 from .masks import alibi_slopes
 from .module import MultiHeadAttention
 
-__all__ = ["HeadParallel", "gather_heads", "shard_heads"]
+__all__ = ["HeadParallel", "SequenceParallel", "gather_heads", "gather_sequence", "shard_heads",
+           "shard_sequence", "split_sequence"]
 
 # Where each parameter lives on the mesh: the rows of W[(μ B a) i] and b[(μ B a)], and the
 # heads of W_O[μ a i], are split in contiguous blocks (whole heads); b_O[i] is everywhere.
@@ -58,14 +60,8 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
     ``K[n g σ a]`` with ``n_local_kv_heads`` groups; ``rope`` and ``positions`` work as on
     one device. Call the layer, not ``layer.forward``: the sum over ranks is a forward hook.
     """
-    _check_shardable(layer)
-    if not isinstance(device_mesh, DeviceMesh):
-        raise EinattnError(f"device_mesh must be a torch.distributed DeviceMesh, got "
-                           f"{type(device_mesh).__name__}")
-    if device_mesh.ndim != 1:
-        raise EinattnError(f"shard_heads needs a 1-D device mesh, got {device_mesh.ndim}-D "
-                           f"{tuple(device_mesh.shape)}; pass the head-parallel dimension, "
-                           f"e.g. mesh['tp']")
+    _check_shardable(layer, "shard_heads")
+    _check_mesh(device_mesh, "shard_heads", "the head-parallel dimension, e.g. mesh['tp']")
     w = device_mesh.size()
     g, r = layer.n_kv_heads, layer.n_heads // layer.n_kv_heads
     if g % w:
@@ -90,19 +86,32 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
     return layer
 
 
-def _check_shardable(layer) -> None:
+def _check_shardable(layer, how: str) -> None:
     """An unsharded MultiHeadAttention whose heads lie in the one fused W."""
     if not isinstance(layer, MultiHeadAttention):
-        raise EinattnError(f"shard_heads needs an einattn.MultiHeadAttention, got "
+        raise EinattnError(f"{how} needs an einattn.MultiHeadAttention, got "
                            f"{type(layer).__name__}")
     if layer.d_context is not None:
-        raise EinattnError(f"shard_heads splits the fused W[(μ B a) i]; this layer projects a "
+        raise EinattnError(f"{how} works on the fused W[(μ B a) i]; this layer projects a "
                            f"context of width d_context={layer.d_context} through W_Q and W_KV, "
                            f"which it does not shard yet")
     if isinstance(layer, HeadParallel):
-        raise EinattnError(f"this layer is already sharded over a mesh of size "
+        raise EinattnError(f"this layer is already sharded by heads over a mesh of size "
                            f"{layer.device_mesh.size()}; gather_heads(layer) returns an "
                            f"unsharded copy")
+    if isinstance(layer, SequenceParallel):
+        raise EinattnError(f"this layer already runs sequence-parallel over a mesh of size "
+                           f"{layer.device_mesh.size()}; shard a fresh copy of it")
+
+
+def _check_mesh(device_mesh, how: str, which: str) -> None:
+    """A 1-D DeviceMesh."""
+    if not isinstance(device_mesh, DeviceMesh):
+        raise EinattnError(f"device_mesh must be a torch.distributed DeviceMesh, got "
+                           f"{type(device_mesh).__name__}")
+    if device_mesh.ndim != 1:
+        raise EinattnError(f"{how} needs a 1-D device mesh, got {device_mesh.ndim}-D "
+                           f"{tuple(device_mesh.shape)}; pass {which}")
 
 
 def gather_heads(layer: MultiHeadAttention) -> MultiHeadAttention:
@@ -238,3 +247,159 @@ def _gather_heads(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Every rank's heads (axis 1 of ``[n μ ...]`` or ``[n g ...]``), in order: an
     all-gather, whose backward keeps this rank's slice of the gradient."""
     return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).full_tensor()
+
+
+# -- sequence parallelism: ring attention -----------------------------------------------------
+
+def shard_sequence(layer: MultiHeadAttention, device_mesh: DeviceMesh, *,
+                   layout: str = "zigzag") -> MultiHeadAttention:
+    """Make ``layer`` run sequence-parallel (ring attention) over a 1-D ``device_mesh``, in
+    place; returns it.
+
+    Each rank then calls the layer on its own tokens, ``x`` of shape ``(n, L/R, d_model)``
+    as :func:`split_sequence` cuts it (with that part of ``key_padding_mask``), and gets
+    their outputs; :func:`gather_sequence` puts the outputs back in order. Equations (1) and
+    (5) run on the rank's tokens alone; equations (2)–(4) run as ring attention
+    (:mod:`einattn.ring`): the keys and values of the ``g`` key/value heads go round the
+    ring, and their gradients come back the same way. RoPE turns each token at its global
+    position. ``layout``: ``"zigzag"`` (rank k holds chunks k and 2R − 1 − k of 2R, which
+    balances causal work) or ``"contiguous"`` (rank k holds chunk k of R). Parameters stay
+    as they are, replicated: each rank's parameter gradients are its tokens' share, to be
+    summed over ranks by DistributedDataParallel or an ``all_reduce``. Each block pair runs
+    the chunked path's tiles (``impl="chunked"``) or one tile (``impl="einsum"``).
+    """
+    _check_shardable(layer, "shard_sequence")
+    _check_mesh(device_mesh, "shard_sequence", "the sequence-parallel dimension, e.g. "
+                "mesh['cp']")
+    ring.check_layout(layout)
+    terms = [k for k in ("window", "softcap") if getattr(layer, k) is not None]
+    terms += [k for k in ("alibi", "sinks") if getattr(layer, k) not in (None, False)]
+    if terms:
+        raise EinattnError(f"shard_sequence runs causal attention and key padding; this layer "
+                           f"has {', '.join(terms)}, which ring attention does not take yet")
+    if (layer.rope_scaling or {}).get("rope_type") == "dynamic":
+        raise EinattnError("rope_scaling 'dynamic' scales by the longest position of the "
+                           "call, which each rank sees differently: use another rope_type")
+    layer.device_mesh, layer.layout = device_mesh, layout
+    layer.ring = ring.Ring(device_mesh.get_group(), layout)
+    layer.__class__ = _sequence_parallel_class(type(layer))
+    return layer
+
+
+def split_sequence(t: torch.Tensor, device_mesh: DeviceMesh, *, layout: str = "zigzag",
+                   dim: int = 1) -> torch.Tensor:
+    """This rank's part of a whole sequence ``t``: its chunks along ``dim``, in order."""
+    _check_mesh(device_mesh, "split_sequence", "the sequence-parallel dimension")
+    R, k = device_mesh.size(), device_mesh.get_local_rank()
+    c = ring.check_length(t.shape[dim], R, ring.check_layout(layout), what=f"dim {dim} of t")
+    return torch.cat([t.narrow(dim, j * c, c) for j in ring.chunks(k, R, layout)], dim=dim)
+
+
+def gather_sequence(t: torch.Tensor, device_mesh: DeviceMesh, *, layout: str = "zigzag",
+                    dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's part ``t`` (a collective: every rank calls it
+    and gets the same tensor). Its backward gives each rank the gradient of its own part."""
+    _check_mesh(device_mesh, "gather_sequence", "the sequence-parallel dimension")
+    R = device_mesh.size()
+    ring.check_layout(layout)
+    dim = dim % t.ndim
+    parts = DTensor.from_local(t, device_mesh, [Shard(dim)], run_check=False).full_tensor()
+    c = ring.check_length(parts.shape[dim], R, layout, what=f"dim {dim} of the gathered t")
+    held = [j for k in range(R) for j in ring.chunks(k, R, layout)]  # chunk order, by rank
+    order = sorted(range(len(held)), key=held.__getitem__)
+    return torch.cat([parts.narrow(dim, p * c, c) for p in order], dim=dim)
+
+
+class SequenceParallel:
+    """What :func:`shard_sequence` adds to a layer's class: a forward over this rank's
+    tokens, whose attention is the ring's. ``isinstance(layer, SequenceParallel)`` tells
+    whether a layer runs sequence-parallel."""
+
+    device_mesh: DeviceMesh
+    layout: str
+    ring: ring.Ring
+
+    def forward(self, x: torch.Tensor, context=None, *, mask=None, key_padding_mask=None,
+                causal: bool | None = None, need_weights: bool = False,
+                return_intermediates: bool = False, impl: str | None = None, positions=None,
+                cache=None, document_ids=None):
+        """``Y[n τ i]`` for this rank's tokens ``x`` ``(n, L/R, d_model)``: equations (1)–(5)
+        with (2)–(4) over the whole sequence, round the ring. ``key_padding_mask``: bool
+        ``(n, L/R)``, True = padding, this rank's part."""
+        _refuse_in_sequence(context=context, mask=mask, need_weights=need_weights,
+                            return_intermediates=return_intermediates, positions=positions,
+                            cache=cache, document_ids=document_ids,
+                            dropout=self.dropout if self.training else 0.0)
+        impl = self.impl if impl is None else impl
+        w = self._attention_weights()
+        self._check_input("x", x, w["W"])
+        L = ring.check_length(x.shape[1] * self.ring.world, self.ring.world, self.layout,
+                              what="the whole sequence (x's length × the mesh size)")
+        _check_padding(key_padding_mask, x)
+        Q, K, V = functional.project_qkv(x, w["W"], n_heads=self.n_heads,
+                                         n_kv_heads=self.n_kv_heads, b=w["b"])
+        t = ring.positions(self.ring.rank, self.ring.world, x.shape[1], self.layout)
+        Q, K = rotary.turned(Q, K, (self.rope, self.rope_base, self.rope_scaling,
+                                    self.rotary_dim), t.to(x.device) if self.rope else None,
+                             offset=0, cross=False)
+        Z = ring.attention(functional._scaled(Q, self.scale), K, V, key_padding_mask,
+                           self.ring, causal=self.causal if causal is None else causal,
+                           block_size=_block_size(impl, self.block_size, L))
+        return functional.combine_heads(Z, w["W_O"], w["b_O"])
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, sequence over a mesh of size "
+                f"{self.device_mesh.size()}, layout={self.layout!r}")
+
+
+_SEQUENCE_CLASSES: dict[type, type] = {}
+
+
+def _sequence_parallel_class(cls: type) -> type:
+    """``SequenceParallel<cls>``, a subclass of :class:`SequenceParallel` and ``cls``."""
+    if cls not in _SEQUENCE_CLASSES:
+        _SEQUENCE_CLASSES[cls] = type(f"SequenceParallel{cls.__name__}",
+                                      (SequenceParallel, cls), {})
+    return _SEQUENCE_CLASSES[cls]
+
+
+_ELSEWHERE = {
+    "context": "cross-attention reads a context that is not cut with the sequence",
+    "mask": "a mask of (τ, σ) spans the whole sequence; use key_padding_mask and causal",
+    "need_weights": "the weights A[n μ τ σ] never exist whole on one rank",
+    "return_intermediates": "the weights A[n μ τ σ] never exist whole on one rank",
+    "positions": "each rank's positions follow from the layout (einattn.ring.positions)",
+    "cache": "a KVCache is for decoding, one token at a time: decode with the layer "
+             "unsharded (its parameters are the same on every rank)",
+    "document_ids": "packed documents are not cut with the ring yet",
+    "dropout": "each block runs the chunked path, which has no dropout: call layer.eval() "
+               "or build the layer with dropout=0",
+}
+
+
+def _refuse_in_sequence(**given) -> None:
+    """An EinattnError for the first forward argument ring attention does not take."""
+    for name, value in given.items():
+        if value is not None and value is not False and value != 0.0:
+            raise EinattnError(f"a sequence-parallel layer takes no {name}: {_ELSEWHERE[name]}")
+
+
+def _check_padding(key_padding_mask, x: torch.Tensor) -> None:
+    """``key_padding_mask`` is None or bool ``(n, L/R)``, this rank's part."""
+    if key_padding_mask is None:
+        return
+    if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != x.shape[:2]:
+        raise EinattnError(f"key_padding_mask is {key_padding_mask.dtype} of shape "
+                           f"{tuple(key_padding_mask.shape)}, but a sequence-parallel layer "
+                           f"needs bool (n, L/R) = {tuple(x.shape[:2])}: this rank's part, "
+                           f"as split_sequence cuts it")
+
+
+def _block_size(impl: str, block_size: int, L: int) -> int:
+    """The side of the tiles within each pair of chunks: the layer's ``block_size`` for
+    ``impl="chunked"``, the whole pair for ``"einsum"`` (one product each)."""
+    if impl not in ("chunked", "einsum"):
+        raise EinattnError(f"a sequence-parallel layer runs each block with impl 'chunked' or "
+                           f"'einsum' (which give the log-sum-exp the ring merges); got "
+                           f"impl={impl!r}")
+    return block_size if impl == "chunked" else L

@@ -10,12 +10,7 @@ process" is checked on every rank, in float64 at 1e-12 relative to scale.
 
 from __future__ import annotations
 
-import ast
 import copy
-import datetime
-import pickle
-import socket
-import time
 import traceback
 from functools import partial
 from pathlib import Path
@@ -23,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import TOL, randn
+from ranks import assert_on_every_rank, raise_sites, run_checks, scaled_error
 from torch import nn
 
 import einattn
@@ -45,14 +40,6 @@ def check(fn=None, *, name=None):
 
 
 # -- helpers on every rank ------------------------------------------------------------------
-
-def scaled_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max |actual − expected| / max(1, max |expected|)``, after checking shapes."""
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    scale = max(1.0, expected.abs().max().item())
-    return (actual - expected).abs().max().item() / scale
-
 
 def within(errors: dict[str, float]) -> dict[str, float]:
     bad = {k: e for k, e in errors.items() if not e <= TOL[F64]}
@@ -298,7 +285,10 @@ def distributed_errors(mesh) -> dict[str, tuple[object, str]]:
                                              init_device_mesh("cpu", (1, WORLD))),
                      r"needs a 1-D device mesh, got 2-D \(1, 2\); pass the head-parallel"),
         "already sharded": (lambda: par.shard_heads(sharded(), mesh),
-                            r"already sharded over a mesh of size 2; gather_heads"),
+                            r"already sharded by heads over a mesh of size 2; gather_heads"),
+        "already sequence-parallel": (lambda: par.shard_heads(
+            par.shard_sequence(make_layer(), mesh), mesh),
+            r"already runs sequence-parallel over a mesh of size 2; shard a fresh copy"),
         "per-head mask": (lambda: sharded()(randn(N, L_Q, D, seed=1),
                                             mask=torch.ones(N, 4, L_Q, L_Q, dtype=torch.bool)),
                           r"index 'μ' has size 4 in mask but 6 in the scores S\[n μ τ σ\] "
@@ -395,61 +385,15 @@ def hooks_of_the_user(mesh):
 
 # -- the processes --------------------------------------------------------------------------
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=datetime.timedelta(seconds=60))  # a hung check fails
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (world,))
-    results = {}
-    for name, fn in CHECKS.items():
-        start = time.perf_counter()
-        try:
-            results[name] = ("ok", fn(mesh))
-        except pytest.skip.Exception as e:
-            results[name] = ("skipped", str(e))
-        except Exception:
-            results[name] = ("failed", traceback.format_exc())
-        results[name] += (time.perf_counter() - start,)
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(results, f)
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Every check's (status, detail, seconds) on each rank, from one set of processes."""
-    out = tmp_path_factory.mktemp("parallel")
-    context = mp.start_processes(_worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + 600
-    while not context.join(timeout=5):  # a rank that raises re-raises here
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail("the gloo processes did not finish in 600 s")
-    results = []
-    for k in range(WORLD):
-        with open(out / f"rank{k}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    return run_checks(__name__, WORLD, tmp_path_factory.mktemp("parallel"))
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_on_every_rank(ranks, name):
-    for k, results in enumerate(ranks):
-        status, detail, seconds = results[name]
-        if status == "skipped":
-            pytest.skip(detail)
-        assert status == "ok", f"rank {k} of {WORLD}:\n{detail}"
-        print(f"rank {k} {name} ({seconds:.2f} s): {detail}")
+    assert_on_every_rank(ranks, name)
 
 
 # -- in this process ------------------------------------------------------------------------
@@ -489,8 +433,8 @@ def test_bad_input_raises_einattn_error(name):
 
 
 def test_every_raise_site_in_parallel_py_is_reached(ranks):
-    """STYLE §4: each ``raise`` in einattn/parallel.py has a ``pytest.raises`` test, here
-    or on the ranks."""
+    """STYLE §4: each ``raise`` in einattn/parallel.py's head parallelism (and the checks
+    both parallelisms share) has a ``pytest.raises`` test, here or on the ranks."""
     reached = set()
     for call, match in SINGLE_PROCESS_ERRORS.values():
         reached |= _raised_in_parallel_py(call, match)
@@ -498,6 +442,6 @@ def test_every_raise_site_in_parallel_py_is_reached(ranks):
         status, detail, _ = results["errors_with_a_mesh"]
         assert status == "ok", detail
         reached |= set(detail["raise lines"])
-    tree = ast.parse(Path(par.__file__).read_text(encoding="utf-8"))
-    sites = {node.lineno for node in ast.walk(tree) if isinstance(node, ast.Raise)}
+    sites = raise_sites(par.__file__, before="# -- sequence parallelism")  # after: test_ring
     assert sites - reached == set(), f"raise sites with no test: lines {sorted(sites - reached)}"
+

@@ -1,0 +1,98 @@
+"""Checks run on several gloo processes on the CPU, for the tests of einattn.parallel.
+
+A test module keeps a dict ``CHECKS`` of name -> check(mesh); :func:`run_checks` starts the
+processes once, each runs every check in order and records, per check, what it returned or
+its traceback, and the test module turns each check into a pytest test with
+:func:`assert_on_every_rank`. Spawning the processes costs more than the checks together.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import importlib
+import pickle
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, port: int, out: str, module: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=60))  # a hung check fails
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for name, fn in importlib.import_module(module).CHECKS.items():
+        start = time.perf_counter()
+        try:
+            results[name] = ("ok", fn(mesh))
+        except pytest.skip.Exception as e:
+            results[name] = ("skipped", str(e))
+        except Exception:
+            results[name] = ("failed", traceback.format_exc())
+        results[name] += (time.perf_counter() - start,)
+    with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_checks(module: str, world: int, out: Path) -> list[dict]:
+    """Every check's (status, detail, seconds) of ``module``'s CHECKS on each of ``world``
+    ranks."""
+    context = mp.start_processes(_worker, args=(world, _free_port(), str(out), module),
+                                 nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + 600
+    while not context.join(timeout=5):  # a rank that raises re-raises here
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"the {world} gloo processes did not finish in 600 s")
+    results = []
+    for k in range(world):
+        with open(out / f"rank{k}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def assert_on_every_rank(ranks: list[dict], name: str) -> None:
+    """Check ``name`` passed on every rank (or skip where it skipped); print what it
+    measured."""
+    for k, results in enumerate(ranks):
+        status, detail, seconds = results[name]
+        if status == "skipped":
+            pytest.skip(detail)
+        assert status == "ok", f"rank {k} of {len(ranks)}:\n{detail}"
+        print(f"rank {k} {name} ({seconds:.2f} s): {detail}")
+
+
+def scaled_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max |actual − expected| / max(1, max |expected|)``, after checking shapes."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    scale = max(1.0, expected.abs().max().item())
+    return (actual - expected).abs().max().item() / scale
+
+
+def raise_sites(path: str, *, before: str | None = None, after: str | None = None) -> set[int]:
+    """The lines of the module at ``path`` that raise, in its part before or after the line
+    that starts with a given comment."""
+    text = Path(path).read_text(encoding="utf-8")
+    cut = next(k for k, line in enumerate(text.splitlines(), 1)
+               if line.startswith(before or after))
+    sites = {node.lineno for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Raise)}
+    return {k for k in sites if (k < cut if before else k > cut)}

@@ -1,0 +1,274 @@
+"""einattn.parallel.shard_sequence: ring attention on 2 and 3 gloo processes on the CPU, in
+float64, checked against one process running the whole sequence: the gathered output, the
+gathered gradient of the input, and the parameter gradients summed over the ranks.
+einattn.ring's layouts, schedule and merge, in this process.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import randn
+from ranks import assert_on_every_rank, raise_sites, run_checks, scaled_error
+from torch import nn
+
+from einattn import EinattnError, MultiHeadAttention, patterns, ring
+from einattn import parallel as par
+
+F64 = torch.float64
+TOL = 1e-10
+# n, L (cut into 4 or 6 chunks by 2 or 3 ranks), d_model, μ, a (even, for RoPE), g.
+N, L, D, MU, A, G = 3, 12, 11, 6, 4, 2
+BLOCK = 2  # chunked: several tiles in every chunk of 2, 3, 4 or 6 positions
+CHECKS: dict[str, object] = {}
+
+
+def check(fn=None, *, name=None):
+    CHECKS[name or fn.__name__] = fn
+    return fn
+
+
+def make_layer(options: str, impl: str) -> MultiHeadAttention:
+    """A float64 layer with every parameter random, the same on every rank."""
+    layer = MultiHeadAttention(D, MU, d_head=A, n_kv_heads=G if "gqa" in options else None,
+                               bias=True, dtype=F64, impl=impl, block_size=BLOCK,
+                               causal="causal" in options,
+                               rope="half" if "rope" in options else None)
+    with torch.no_grad():
+        for k, p in enumerate(layer.parameters()):
+            p.copy_(randn(*p.shape, seed=k) * p.shape[-1] ** -0.5)
+    return layer
+
+
+def padding_for(options: str) -> torch.Tensor | None:
+    """Key padding ``(n, L)``: sample 0 its last five positions, sample 1 its first two (so
+    its first rows see no key under causal), sample 2 every key (no row sees one)."""
+    if "padding" not in options:
+        return None
+    pad = torch.zeros(N, L, dtype=torch.bool)
+    pad[0, -5:], pad[1, :2], pad[2] = True, True, True
+    return pad
+
+
+def compare(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
+    """The sequence-parallel layer against the same layer on the whole sequence."""
+    ref = make_layer(options, impl)
+    lay = par.shard_sequence(copy.deepcopy(ref), mesh, layout=layout)
+    x, T, pad = randn(N, L, D, seed=1, requires_grad=True), randn(N, L, D, seed=2), \
+        padding_for(options)
+    (ref(x, key_padding_mask=pad) * T).sum().backward()
+
+    def mine(t):
+        return None if t is None else par.split_sequence(t, mesh, layout=layout)
+
+    x_k = mine(x.detach()).requires_grad_()
+    Y_k = lay(x_k, key_padding_mask=mine(pad))
+    (Y_k * mine(T)).sum().backward()
+    errors = {"Y": scaled_error(par.gather_sequence(Y_k.detach(), mesh, layout=layout),
+                                ref(x, key_padding_mask=pad).detach()),
+              "dx": scaled_error(par.gather_sequence(x_k.grad, mesh, layout=layout), x.grad)}
+    for name, p in lay.named_parameters():
+        dist.all_reduce(p.grad)  # each rank's grad is its tokens' share
+        errors[f"d{name}"] = scaled_error(p.grad, getattr(ref, name).grad)
+    bad = {k: e for k, e in errors.items() if not e <= TOL}
+    assert not bad, f"errors above {TOL:g}: {bad}"
+    return errors
+
+
+CASES = ["causal gqa rope", "padding", "causal gqa padding"]
+for _layout in ring.LAYOUTS:
+    for _impl in ("chunked", "einsum"):
+        for _options in CASES:
+            check(partial(compare, layout=_layout, impl=_impl, options=_options),
+                  name=f"compare[{_layout}, {_impl}, {_options}]")
+
+
+@check
+def data_parallel_averages_per_rank_means(mesh):
+    """Under DistributedDataParallel (which averages the ranks' gradients), a loss that is
+    each rank's mean over its own tokens gives the gradient of the mean over all of them."""
+    ref = make_layer("causal gqa rope", "chunked")
+    lay = nn.parallel.DistributedDataParallel(par.shard_sequence(copy.deepcopy(ref), mesh))
+    x = randn(N, L, D, seed=3)
+    ref(x).square().mean().backward()
+    lay(par.split_sequence(x, mesh)).square().mean().backward()
+    return {f"d{name}": scaled_error(p.grad, getattr(ref, name).grad)
+            for name, p in lay.module.named_parameters()}
+
+
+@check
+def split_then_gather(mesh):
+    """gather_sequence(split_sequence(t)) = t along any dim, for both layouts; the ranks'
+    positions cover the sequence once."""
+    R, t = mesh.size(), randn(2, L, 3, L, seed=4)
+    for layout in ring.LAYOUTS:
+        for dim in (1, 3, -1):
+            back = par.gather_sequence(par.split_sequence(t, mesh, layout=layout, dim=dim),
+                                       mesh, layout=layout, dim=dim)
+            assert torch.equal(back, t), (layout, dim)
+        covered = torch.cat([ring.positions(k, R, L // R, layout) for k in range(R)])
+        assert sorted(covered.tolist()) == list(range(L)), (layout, covered)
+    return {"layouts": list(ring.LAYOUTS)}
+
+
+def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
+    """name -> (call, match) for the errors that need a mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    R = mesh.size()
+
+    def sharded(options="causal", impl="chunked"):
+        return par.shard_sequence(make_layer(options, impl), mesh)
+
+    x = randn(N, L // R, D, seed=5)
+    forward_refusals = {
+        "cache": r"takes no cache: a KVCache is for decoding",
+        "mask": r"takes no mask: a mask of \(τ, σ\) spans the whole sequence",
+        "need_weights": r"takes no need_weights: the weights A\[n μ τ σ\] never exist whole",
+        "positions": r"takes no positions: each rank's positions follow from the layout",
+    }
+    calls = {name: (lambda name=name: sharded()(x, **{name: True}), match)
+             for name, match in forward_refusals.items()}
+    return {
+        **calls,
+        "not divisible": (lambda: sharded()(randn(N, 5, D, seed=6)),
+                          rf"the whole sequence \(x's length × the mesh size\) has {5 * R} "
+                          rf"positions, which layout='zigzag' cannot cut into {2 * R} equal"),
+        "split not divisible": (lambda: par.split_sequence(torch.ones(2, 2 * R + 1), mesh),
+                                r"dim 1 of t has \d+ positions.*pad the sequence to a multiple"),
+        "2-D mesh": (lambda: par.shard_sequence(make_layer("", "chunked"),
+                                                init_device_mesh("cpu", (1, R))),
+                     r"shard_sequence needs a 1-D device mesh, got 2-D"),
+        "a window": (lambda: par.shard_sequence(MultiHeadAttention(8, 2, window=3), mesh),
+                     r"this layer has window, which ring attention does not take yet"),
+        "dynamic rope": (lambda: par.shard_sequence(
+            MultiHeadAttention(8, 2, rope="half", rope_scaling={
+                "rope_type": "dynamic", "factor": 2.0,
+                "max_position_embeddings": 8}), mesh),
+            r"rope_scaling 'dynamic' scales by the longest position"),
+        "sdpa": (lambda: sharded(impl="sdpa")(x),
+                 r"runs each block with impl 'chunked' or 'einsum'.*got impl='sdpa'"),
+        "padding shape": (lambda: sharded()(x, key_padding_mask=torch.zeros(N, L, dtype=bool)),
+                          rf"key_padding_mask is torch.bool of shape \({N}, {L}\), but a "
+                          rf"sequence-parallel layer needs bool \(n, L/R\) = \({N}, {L // R}\)"),
+        "dropout": (lambda: par.shard_sequence(MultiHeadAttention(D, MU, d_head=A, dropout=0.1,
+                                                                   dtype=F64), mesh)(x),
+                    r"takes no dropout: each block runs the chunked path"),
+        "head-parallel": (lambda: par.shard_sequence(
+            par.shard_heads(make_layer("", "chunked"), mesh), mesh),
+            r"already sharded by heads over a mesh of size"),
+        "bad layout": (lambda: par.shard_sequence(make_layer("", "chunked"), mesh,
+                                                  layout="striped"),
+                       r"layout must be one of 'zigzag', 'contiguous', got 'striped'"),
+    }
+
+
+@check
+def errors_with_a_mesh(mesh):
+    """Each raise that needs a mesh; returns the lines of einattn/parallel.py that raised."""
+    lines = set()
+    for call, match in sequence_errors(mesh).values():
+        with pytest.raises(EinattnError, match=match) as info:
+            call()
+        lines |= {f.lineno for f in _frames(info.tb, par.__file__)}
+    return {"raise lines": sorted(lines)}
+
+
+def _frames(tb, path: str):
+    import traceback
+    from pathlib import Path
+
+    here = Path(path).resolve()
+    return [f for f in traceback.extract_tb(tb) if Path(f.filename).resolve() == here]
+
+
+# -- the processes --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def ranks(request, tmp_path_factory) -> list[dict]:
+    """Every check's (status, detail, seconds) on each rank of 2 or 3 processes."""
+    return run_checks(__name__, request.param, tmp_path_factory.mktemp("ring"))
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_on_every_rank(ranks, name):
+    assert_on_every_rank(ranks, name)
+
+
+def test_every_raise_site_of_sequence_parallelism_is_reached(ranks):
+    """STYLE §4: each ``raise`` in the sequence-parallel part of einattn/parallel.py has a
+    ``pytest.raises`` test on the ranks."""
+    reached = set()
+    for results in ranks:
+        status, detail, _ = results["errors_with_a_mesh"]
+        assert status == "ok", detail
+        reached |= set(detail["raise lines"])
+    sites = raise_sites(par.__file__, after="# -- sequence parallelism")
+    assert sites - reached == set(), f"raise sites with no test: lines {sorted(sites - reached)}"
+
+
+# -- in this process ------------------------------------------------------------------------
+
+def test_merge_equals_the_softmax_over_both_sets_of_keys():
+    """(M1)–(M2) on rows that see keys in one set, in both, or in neither."""
+    S, V = randn(4, 9, seed=7), randn(9, 5, seed=8)
+    S[1, :4] = -torch.inf  # row 1: keys of the second set only
+    S[2] = -torch.inf      # row 2: no key at all
+    parts = []
+    for keys in (slice(0, 4), slice(4, 9)):
+        lse = S[:, keys].logsumexp(-1)
+        Z = torch.softmax(S[:, keys], -1).nan_to_num(0.0) @ V[keys]
+        parts.append((Z, lse))
+    Z, lse = ring.merge(*parts[0], *parts[1])
+    A = torch.softmax(S, -1).nan_to_num(0.0)
+    torch.testing.assert_close(Z, A @ V, rtol=0, atol=1e-15)
+    torch.testing.assert_close(lse, S.logsumexp(-1), rtol=0, atol=1e-15)
+    assert Z[2].eq(0).all() and lse[2] == -torch.inf
+
+
+def causal_tiles(R: int, layout: str, L: int, block_size: int) -> list[int]:
+    """The tiles of ``block_size`` each rank computes under causal attention over ``L``."""
+    c = L // ring.n_chunks(R, layout)
+    return [sum(len(p.tiles(c, c, block_size)) for k in range(R) for _, _, p in
+                ring.pairs(ring.chunks(rank, R, layout), ring.chunks(k, R, layout), True))
+            for rank in range(R)]
+
+
+@pytest.mark.parametrize("R", [2, 3, 4, 8])
+def test_zigzag_balances_causal_work(R):
+    """Under causal attention every zigzag rank computes the same number of tiles; with
+    contiguous chunks rank k computes k whole pairs and one causal one."""
+    zigzag, contiguous = (causal_tiles(R, layout, 32 * R, 8) for layout in ring.LAYOUTS)
+    assert len(set(zigzag)) == 1, zigzag
+    assert contiguous == [16 * k + 10 for k in range(R)], contiguous  # 32 × 32 chunks
+
+
+def test_pairs_follow_the_chunks_global_order():
+    assert [(q, k, p is ring._DIAGONAL) for q, k, p in ring.pairs((1, 2), (2, 0), True)] == \
+        [(0, 1, False), (1, 0, True), (1, 1, False)]
+    assert len(ring.pairs((1, 2), (2, 0), False)) == 4
+    assert ring._DIAGONAL.masks == (patterns.Causal(0),)
+
+
+SINGLE_PROCESS_ERRORS = {
+    "not a layer": (lambda: par.shard_sequence(nn.Linear(3, 3), None),
+                    r"shard_sequence needs an einattn.MultiHeadAttention, got Linear"),
+    "not a mesh": (lambda: par.split_sequence(torch.ones(2, 4), [0, 1]),
+                   r"device_mesh must be a torch.distributed DeviceMesh, got list"),
+    "layout": (lambda: ring.check_layout("ring"),
+               r"layout must be one of 'zigzag', 'contiguous', got 'ring'"),
+    "length": (lambda: ring.check_length(10, 3, "contiguous", what="x"),
+               r"x has 10 positions, which layout='contiguous' cannot cut into 3 equal chunks "
+               r"\(one chunk on each of 3 ranks\): pad the sequence to a multiple of 3"),
+}
+
+
+@pytest.mark.parametrize("name", list(SINGLE_PROCESS_ERRORS))
+def test_bad_input_raises_einattn_error(name):
+    call, match = SINGLE_PROCESS_ERRORS[name]
+    with pytest.raises(EinattnError, match=match):
+        call()
