@@ -262,21 +262,18 @@ def shard_sequence(layer: MultiHeadAttention, device_mesh: DeviceMesh, *,
     (5) run on the rank's tokens alone; equations (2)–(4) run as ring attention
     (:mod:`einattn.ring`): the keys and values of the ``g`` key/value heads go round the
     ring, and their gradients come back the same way. RoPE turns each token at its global
-    position. ``layout``: ``"zigzag"`` (rank k holds chunks k and 2R − 1 − k of 2R, which
-    balances causal work) or ``"contiguous"`` (rank k holds chunk k of R). Parameters stay
-    as they are, replicated: each rank's parameter gradients are its tokens' share, to be
-    summed over ranks by DistributedDataParallel or an ``all_reduce``. Each block pair runs
-    the chunked path's tiles (``impl="chunked"``) or one tile (``impl="einsum"``).
+    position, and the layer's ``window``, ``softcap``, ``alibi`` and ``sinks`` apply in the
+    sequence's own positions. ``layout``: ``"zigzag"`` (rank k holds chunks k and 2R − 1 − k
+    of 2R, which balances causal work) or ``"contiguous"`` (rank k holds chunk k of R).
+    Parameters stay as they are, replicated: each rank's parameter gradients are its tokens'
+    share, to be summed over ranks by DistributedDataParallel or an ``all_reduce``. Each
+    pair of chunks runs the chunked path's tiles (``impl="chunked"``) or one tile
+    (``impl="einsum"``).
     """
     _check_shardable(layer, "shard_sequence")
     _check_mesh(device_mesh, "shard_sequence", "the sequence-parallel dimension, e.g. "
                 "mesh['cp']")
     ring.check_layout(layout)
-    terms = [k for k in ("window", "softcap") if getattr(layer, k) is not None]
-    terms += [k for k in ("alibi", "sinks") if getattr(layer, k) not in (None, False)]
-    if terms:
-        raise EinattnError(f"shard_sequence runs causal attention and key padding; this layer "
-                           f"has {', '.join(terms)}, which ring attention does not take yet")
     if (layer.rope_scaling or {}).get("rope_type") == "dynamic":
         raise EinattnError("rope_scaling 'dynamic' scales by the longest position of the "
                            "call, which each rank sees differently: use another rope_type")
@@ -343,9 +340,17 @@ class SequenceParallel:
                                     self.rotary_dim), t.to(x.device) if self.rope else None,
                              offset=0, cross=False)
         Z = ring.attention(functional._scaled(Q, self.scale), K, V, key_padding_mask,
-                           self.ring, causal=self.causal if causal is None else causal,
+                           self.ring, terms=self._terms(causal, Q), sinks=w["sinks"],
                            block_size=_block_size(impl, self.block_size, L))
         return functional.combine_heads(Z, w["W_O"], w["b_O"])
+
+    def _terms(self, causal: bool | None, Q: torch.Tensor) -> ring.Terms:
+        """The layer's pattern of equation (3), for the ring: ALiBi's slopes in at least
+        float32, as the scores are."""
+        slopes = alibi_slopes(self.n_heads, dtype=torch.promote_types(Q.dtype, torch.float32),
+                              device=Q.device) if self.alibi else None
+        return ring.Terms(self.causal if causal is None else causal, self.window,
+                          self.softcap, slopes)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, sequence over a mesh of size "
@@ -380,8 +385,9 @@ _ELSEWHERE = {
 def _refuse_in_sequence(**given) -> None:
     """An EinattnError for the first forward argument ring attention does not take."""
     for name, value in given.items():
-        if value is not None and value is not False and value != 0.0:
-            raise EinattnError(f"a sequence-parallel layer takes no {name}: {_ELSEWHERE[name]}")
+        if value is None or value is False or (isinstance(value, float) and value == 0.0):
+            continue
+        raise EinattnError(f"a sequence-parallel layer takes no {name}: {_ELSEWHERE[name]}")
 
 
 def _check_padding(key_padding_mask, x: torch.Tensor) -> None:

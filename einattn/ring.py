@@ -19,8 +19,11 @@ each block's share of the gradients is the chunked path's tile backward
 (``P = exp(S − lse)``, ``dS = P ∘ (dP − D)``, ``D = Σ_a dZ Z``): ``dQ`` stays on the rank,
 ``dK`` and ``dV`` travel with their block and are back with its owner after R steps.
 
-Causal attention is decided per pair of chunks by their global order: an earlier key
-chunk is wholly visible, the same chunk is causal within itself, a later one is skipped.
+The pattern of equation (3) is the whole sequence's, per pair of chunks: for query chunk
+i and key chunk j of length c, every piece aligned at ``τ' = τ + (i − j)·c``
+(:meth:`Terms.at`). Under causal attention an earlier key chunk is wholly visible, the same
+chunk is causal within itself, and a later one is skipped, as is a chunk wholly outside a
+sliding window. A sink ``s_μ`` starts each row's merge at ``lse = s_μ``, ``Z = 0``.
 With ``layout="contiguous"`` rank k holds chunk k of R, and so rank R − 1 does R pairs of
 work where rank 0 does one; with ``"zigzag"`` (Megatron's load balancing) rank k holds
 chunks k and 2R − 1 − k of 2R, so every rank does the same number. Each pair runs the
@@ -31,6 +34,8 @@ See docs/distributed.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -39,7 +44,6 @@ from .errors import EinattnError
 
 LAYOUTS = ("zigzag", "contiguous")
 _INF = float("inf")
-_FULL, _DIAGONAL = patterns.Pattern(), patterns.Pattern((patterns.Causal(0),))
 
 
 def n_chunks(world: int, layout: str) -> int:
@@ -78,17 +82,40 @@ def positions(rank: int, world: int, L_local: int, layout: str) -> torch.Tensor:
     return torch.cat([torch.arange(j * c, (j + 1) * c) for j in held])
 
 
-def pairs(q_chunks, k_chunks, causal: bool) -> list:
-    """``(q, k, pattern)`` for each query chunk q and key chunk k (positions in the rank's
-    lists) that attend: every pair, or under ``causal`` an earlier key chunk whole and the
-    same chunk causally; a later key chunk is skipped."""
+@dataclass(frozen=True, eq=False)
+class Terms:
+    """The pattern of equation (3) the ring applies, in the sequence's own positions:
+    ``causal``, a sliding ``window`` of w keys, a ``softcap`` c, ALiBi's ``slopes`` m[μ]."""
+
+    causal: bool = False
+    window: int | None = None
+    softcap: float | None = None
+    slopes: torch.Tensor | None = None
+
+    def at(self, shift: int) -> patterns.Pattern:
+        """The pattern of a pair of chunks whose queries start ``shift`` positions after its
+        keys: every piece with ``τ' = τ + shift``, as :func:`einattn.patterns.build` aligns
+        a call's queries after its keys."""
+        masks = (patterns.Causal(shift),) if self.causal else ()
+        if self.window is not None:
+            masks += (patterns.Window(self.window, shift, self.causal),)
+        scores = () if self.softcap is None else (patterns.Softcap(self.softcap),)
+        if self.slopes is not None:
+            scores += (patterns.ALiBi(self.slopes, shift),)
+        return patterns.Pattern(masks, scores)
+
+
+def pairs(q_chunks, k_chunks, c: int, terms: Terms) -> list:
+    """``(q, k, pattern)`` for each query chunk q and key chunk k (positions in the ranks'
+    lists of chunks of length ``c``) of which some query sees some key: under causal, an
+    earlier key chunk (whole), the same chunk (causally); a later one is skipped, and so is
+    a chunk wholly outside a window."""
     out = []
     for q, i in enumerate(q_chunks):
         for k, j in enumerate(k_chunks):
-            if not causal or j < i:
-                out.append((q, k, _FULL))
-            elif j == i:
-                out.append((q, k, _DIAGONAL))
+            pattern = terms.at((i - j) * c)
+            if all(piece.judge(c)(0, c - 1, 0, c - 1)[0] for piece in pattern.masks):
+                out.append((q, k, pattern))
     return out
 
 
@@ -141,15 +168,15 @@ def _wait(requests) -> None:
 
 
 def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
-              key_padding_mask: torch.Tensor | None, ring: Ring, *, causal: bool,
-              block_size: int) -> torch.Tensor:
+              key_padding_mask: torch.Tensor | None, ring: Ring, *, terms: Terms,
+              sinks: torch.Tensor | None, block_size: int) -> torch.Tensor:
     """This rank's ``Z[n μ τ a]``: its queries against every rank's keys and values, as
-    one process would compute it over the whole sequence; differentiable (the backward
-    pass goes round the ring too). ``key_padding_mask``: this rank's ``(n, L_local)``,
-    True = padding."""
+    one process would compute it over the whole sequence with the pattern ``terms`` and
+    the sink logits ``sinks`` ``s[μ]``; differentiable (the backward pass goes round the
+    ring too). ``key_padding_mask``: this rank's ``(n, L_local)``, True = padding."""
     padding = None if key_padding_mask is None else key_padding_mask.to(torch.uint8)
-    return _RingAttention.apply(Q, K.contiguous(), V.contiguous(), padding, ring, causal,
-                                block_size)
+    return _RingAttention.apply(Q, K.contiguous(), V.contiguous(), padding, sinks,
+                                (ring, terms, block_size))
 
 
 def _slices(L_local: int, n_held: int) -> list[slice]:
@@ -162,41 +189,46 @@ def _mask(padding, sigma: slice):
     return None if padding is None else (padding[:, None, None, sigma] == 0)
 
 
-def _schedule(ring: Ring, step: int, L_local: int, causal: bool) -> list:
+def _schedule(ring: Ring, step: int, L_local: int, terms: Terms) -> list:
     """``(τ slice, σ slice, pattern)`` for each pair of chunks that attend at ``step``."""
     mine, theirs = chunks(ring.rank, ring.world, ring.layout), ring.chunks_of(step)
     rows, cols = _slices(L_local, len(mine)), _slices(L_local, len(theirs))
-    return [(rows[q], cols[k], p) for q, k, p in pairs(mine, theirs, causal)]
+    c = L_local // len(mine)
+    return [(rows[q], cols[k], p) for q, k, p in pairs(mine, theirs, c, terms)]
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward: (M1)–(M2) over the ring's blocks. Backward: each block's tile backward with
-    the whole row's Z and lse; dK and dV travel home with their block."""
+    """Forward: (M1)–(M2) over the ring's blocks, from the sink's ``lse = s_μ``, ``Z = 0``.
+    Backward: each block's tile backward with the whole row's Z and lse; dK and dV travel
+    home with their block."""
 
     @staticmethod
-    def forward(ctx, Q, K, V, padding, ring: Ring, causal: bool, block_size: int):
-        Z, lse = _forward(Q, K, V, padding, ring, causal, block_size)
-        ctx.save_for_backward(Q, K, V, padding, Z, lse)
-        ctx.ring, ctx.causal, ctx.block_size = ring, causal, block_size
+    def forward(ctx, Q, K, V, padding, sinks, how: tuple):
+        Z, lse = _forward(Q, K, V, padding, sinks, *how)
+        ctx.save_for_backward(Q, K, V, padding, sinks, Z, lse)
+        ctx.how = how
         return Z.to(Q.dtype)
 
     @staticmethod
     def backward(ctx, dZ):
-        Q, K, V, padding, Z, lse = ctx.saved_tensors
-        dQ, dK, dV = _backward(Q, K, V, padding, Z, lse, dZ, ctx.ring, ctx.causal,
-                               ctx.block_size)
-        return dQ, dK, dV, None, None, None, None
+        Q, K, V, padding, sinks, Z, lse = ctx.saved_tensors
+        lse = chunked.for_backward(lse)
+        dQ, dK, dV = _backward(Q, K, V, padding, Z, lse, dZ, *ctx.how)
+        D = (dZ.to(Z.dtype) * Z).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z
+        return dQ, dK, dV, None, chunked._sink_grad(sinks, lse, D), None
 
 
-def _forward(Q, K, V, padding, ring: Ring, causal: bool, block_size: int):
+def _forward(Q, K, V, padding, sinks, ring: Ring, terms: Terms, block_size: int):
     acc = chunked._accumulator(Q.dtype)
     Z = Q.new_zeros((*Q.shape[:3], V.shape[3]), dtype=acc)
     lse = Q.new_full(Q.shape[:3], -_INF, dtype=acc)
+    if sinks is not None:  # the sink: one more logit s_μ, whose value is zero
+        lse.copy_(sinks[:, None])
     block = [t for t in (K, V, padding) if t is not None]
     for step in range(ring.world):
         following, requests = ring.pass_on(block) if step < ring.world - 1 else (None, [])
         K_b, V_b, pad_b = (*block, None)[:3]
-        for tau, sigma, pattern in _schedule(ring, step, Q.shape[2], causal):
+        for tau, sigma, pattern in _schedule(ring, step, Q.shape[2], terms):
             Z_p, lse_p = chunked._forward(Q[:, :, tau], K_b[:, :, sigma], V_b[:, :, sigma],
                                           _mask(pad_b, sigma), pattern, block_size)
             Z[:, :, tau], lse[:, :, tau] = merge(Z[:, :, tau], lse[:, :, tau], Z_p.to(acc),
@@ -206,15 +238,15 @@ def _forward(Q, K, V, padding, ring: Ring, causal: bool, block_size: int):
     return Z, lse
 
 
-def _backward(Q, K, V, padding, Z, lse, dZ, ring: Ring, causal: bool, block_size: int):
-    acc, lse = chunked._accumulator(Q.dtype), chunked.for_backward(lse)
+def _backward(Q, K, V, padding, Z, lse, dZ, ring: Ring, terms: Terms, block_size: int):
+    acc = chunked._accumulator(Q.dtype)
     dQ = torch.zeros(Q.shape, dtype=acc, device=Q.device)
     block = [t for t in (K, V, padding) if t is not None]
     grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (K, V)]  # dK_b, dV_b
     for step in range(ring.world):
         following, requests = ring.pass_on(block) if step < ring.world - 1 else (None, [])
         K_b, V_b, pad_b = (*block, None)[:3]
-        for tau, sigma, pattern in _schedule(ring, step, Q.shape[2], causal):
+        for tau, sigma, pattern in _schedule(ring, step, Q.shape[2], terms):
             dQ_p, dK_p, dV_p, _, _ = chunked._backward(
                 Q[:, :, tau], K_b[:, :, sigma], V_b[:, :, sigma], Z[:, :, tau],
                 lse[:, :, tau], _mask(pad_b, sigma), dZ[:, :, tau], pattern, block_size,

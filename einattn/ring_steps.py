@@ -39,7 +39,10 @@ def causal_textbook(Q, K, V):
     return textbook(Q, K, V, causal=True)
 
 
-def _partial(Q, K, V, keys: slice, pattern=ring._FULL):
+_WHOLE = ring.Terms().at(0)  # no pattern: every key of the set
+
+
+def _partial(Q, K, V, keys: slice, pattern=_WHOLE):
     """``(Z, lse)`` of the queries over the keys ``keys`` alone."""
     return chunked._forward(Q, K[:, :, keys], V[:, :, keys], None, pattern, BLOCK)
 
@@ -72,7 +75,8 @@ def on_the_ring(Q, K, V, *, world: int = 2, layout: str = "zigzag", order=None):
         mine = ring.chunks(rank, world, layout)
         for other in range(world):
             theirs = ring.chunks(other, world, layout)
-            for q, k, pattern in ring.pairs(*(order or _global)(mine, theirs), causal=True):
+            for q, k, pattern in ring.pairs(*(order or _global)(mine, theirs), c,
+                                            ring.Terms(causal=True)):
                 rows, cols = (slice(j * c, (j + 1) * c) for j in (mine[q], theirs[k]))
                 Z[:, :, rows], lse[:, :, rows] = ring.merge(
                     Z[:, :, rows], lse[:, :, rows], *_partial(Q[:, :, rows], K, V, cols, pattern))

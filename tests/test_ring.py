@@ -33,11 +33,15 @@ def check(fn=None, *, name=None):
 
 
 def make_layer(options: str, impl: str) -> MultiHeadAttention:
-    """A float64 layer with every parameter random, the same on every rank."""
+    """A float64 layer with every parameter (the sinks too) random, the same on every rank;
+    a window of 5 keys reaches across chunks of 2, 3, 4 or 6."""
     layer = MultiHeadAttention(D, MU, d_head=A, n_kv_heads=G if "gqa" in options else None,
                                bias=True, dtype=F64, impl=impl, block_size=BLOCK,
                                causal="causal" in options,
-                               rope="half" if "rope" in options else None)
+                               rope="half" if "rope" in options else None,
+                               window=5 if "window" in options else None,
+                               softcap=1.5 if "softcap" in options else None,
+                               alibi="alibi" in options, sinks="sinks" in options)
     with torch.no_grad():
         for k, p in enumerate(layer.parameters()):
             p.copy_(randn(*p.shape, seed=k) * p.shape[-1] ** -0.5)
@@ -79,7 +83,8 @@ def compare(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
     return errors
 
 
-CASES = ["causal gqa rope", "padding", "causal gqa padding"]
+CASES = ["causal gqa rope", "padding", "causal gqa padding",
+         "causal window softcap sinks gqa padding", "window alibi rope"]
 for _layout in ring.LAYOUTS:
     for _impl in ("chunked", "einsum"):
         for _options in CASES:
@@ -143,8 +148,8 @@ def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
         "2-D mesh": (lambda: par.shard_sequence(make_layer("", "chunked"),
                                                 init_device_mesh("cpu", (1, R))),
                      r"shard_sequence needs a 1-D device mesh, got 2-D"),
-        "a window": (lambda: par.shard_sequence(MultiHeadAttention(8, 2, window=3), mesh),
-                     r"this layer has window, which ring attention does not take yet"),
+        "documents": (lambda: sharded()(x, document_ids=torch.zeros(N, L // R, dtype=int)),
+                      r"takes no document_ids: packed documents are not cut with the ring"),
         "dynamic rope": (lambda: par.shard_sequence(
             MultiHeadAttention(8, 2, rope="half", rope_scaling={
                 "rope_type": "dynamic", "factor": 2.0,
@@ -232,9 +237,9 @@ def test_merge_equals_the_softmax_over_both_sets_of_keys():
 
 def causal_tiles(R: int, layout: str, L: int, block_size: int) -> list[int]:
     """The tiles of ``block_size`` each rank computes under causal attention over ``L``."""
-    c = L // ring.n_chunks(R, layout)
+    c, terms = L // ring.n_chunks(R, layout), ring.Terms(causal=True)
     return [sum(len(p.tiles(c, c, block_size)) for k in range(R) for _, _, p in
-                ring.pairs(ring.chunks(rank, R, layout), ring.chunks(k, R, layout), True))
+                ring.pairs(ring.chunks(rank, R, layout), ring.chunks(k, R, layout), c, terms))
             for rank in range(R)]
 
 
@@ -248,10 +253,16 @@ def test_zigzag_balances_causal_work(R):
 
 
 def test_pairs_follow_the_chunks_global_order():
-    assert [(q, k, p is ring._DIAGONAL) for q, k, p in ring.pairs((1, 2), (2, 0), True)] == \
-        [(0, 1, False), (1, 0, True), (1, 1, False)]
-    assert len(ring.pairs((1, 2), (2, 0), False)) == 4
-    assert ring._DIAGONAL.masks == (patterns.Causal(0),)
+    """Query chunks (1, 2) against key chunks (2, 0) of 4 positions: causal skips (1, 2);
+    a window of 3 keys also skips (2, 0), 5 to 11 positions behind; each pair's pieces are
+    the pattern at τ' = τ + (i − j)·c."""
+    causal, window = ring.Terms(causal=True), ring.Terms(causal=True, window=3)
+    assert [(q, k) for q, k, _ in ring.pairs((1, 2), (2, 0), 4, causal)] == \
+        [(0, 1), (1, 0), (1, 1)]
+    assert [(q, k) for q, k, _ in ring.pairs((1, 2), (2, 0), 4, window)] == [(0, 1), (1, 0)]
+    assert len(ring.pairs((1, 2), (2, 0), 4, ring.Terms())) == 4
+    (_, _, p), *_ = ring.pairs((1, 2), (2, 0), 4, window)
+    assert p.masks == (patterns.Causal(4), patterns.Window(3, 4, True))
 
 
 SINGLE_PROCESS_ERRORS = {
