@@ -41,7 +41,8 @@ def tiles(rank: int, R: int, layout: str, L: int) -> int:
     c = L // ring.n_chunks(R, layout)
     return sum(len(p.tiles(c, c, block)) for k in range(R)
                for _, _, p in ring.pairs(ring.chunks(rank, R, layout),
-                                         ring.chunks(k, R, layout), True))
+                                         ring.chunks(k, R, layout), c,
+                                         ring.Terms(causal=True)))
 
 
 def worker(rank: int, R: int, port: int, L: int, layout: str, out) -> None:
