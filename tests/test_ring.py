@@ -107,14 +107,18 @@ def data_parallel_averages_per_rank_means(mesh):
 
 @check
 def split_then_gather(mesh):
-    """gather_sequence(split_sequence(t)) = t along any dim, for both layouts; the ranks'
-    positions cover the sequence once."""
+    """gather_sequence(split_sequence(t)) = t along any dim, for both layouts, and its
+    backward gives each rank the gradient of its own part; the ranks' positions cover the
+    sequence once."""
     R, t = mesh.size(), randn(2, L, 3, L, seed=4)
     for layout in ring.LAYOUTS:
         for dim in (1, 3, -1):
             back = par.gather_sequence(par.split_sequence(t, mesh, layout=layout, dim=dim),
                                        mesh, layout=layout, dim=dim)
             assert torch.equal(back, t), (layout, dim)
+        part = par.split_sequence(t, mesh, layout=layout).requires_grad_()
+        (par.gather_sequence(part, mesh, layout=layout) * t).sum().backward()
+        assert torch.equal(part.grad, par.split_sequence(t, mesh, layout=layout))  # its own
         covered = torch.cat([ring.positions(k, R, L // R, layout) for k in range(R)])
         assert sorted(covered.tolist()) == list(range(L)), (layout, covered)
     return {"layouts": list(ring.LAYOUTS)}
