@@ -16,6 +16,7 @@ operand) runs through ``torch.einsum``.
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Callable
 from functools import partial
 from operator import methodcaller
@@ -23,6 +24,9 @@ from operator import methodcaller
 import torch
 import torch.nn.functional as F
 
+from .errors import at
+
+_LETTERS = string.ascii_lowercase + string.ascii_uppercase
 Pair = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -136,3 +140,23 @@ def _unarrange(have: list[str], want: str, shape: tuple[int, ...],
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def assign_letters(parsed, text: str) -> dict[str, str]:
+    """Index name -> einsum letter: one-letter ASCII names keep their letter, others
+    (Greek, multi-letter) take the first free one. torch.einsum takes only ASCII."""
+    terms = (parsed.output, *parsed.operands)
+    names = list(dict.fromkeys(i for t in terms for i in t.indices))
+    taken = {n for n in names if len(n) == 1 and n in _LETTERS}
+    free = iter(c for c in _LETTERS if c not in taken)
+    mapping = {}
+    for n in names:
+        if n in taken:
+            mapping[n] = n
+        else:
+            letter = next(free, None)
+            if letter is None:
+                raise at(f"too many indices: einsum has {len(_LETTERS)} letters", text)
+            mapping[n] = letter
+    return mapping
+

@@ -70,3 +70,60 @@ class _SoftmaxInPlace(torch.autograd.Function):
         if torch.is_grad_enabled() or not dA.is_contiguous():  # create_graph: keep dA intact
             return torch._softmax_backward_data(dA, A, -1, A.dtype)
         return _aten._softmax_backward_data.out(dA, A, -1, A.dtype, grad_input=dA)
+
+
+# -- equation (3)'s masking contract: a row with nothing to attend to gives zeros -------------
+
+def masked(S: torch.Tensor, mask: torch.Tensor | None, every_row_sees_a_key: bool = False,
+           *, scratch: bool = False) -> torch.Tensor:
+    """``softmax_σ(S + M)`` over the last axis, ``mask`` boolean (True = may attend, a
+    masked score never read) or float (added). A row whose every key is masked gives exact
+    zeros and zero gradients: its scores are set to 0 before the softmax and its weights to
+    0 after, never a finite sentinel. ``every_row_sees_a_key``: the caller's promise that
+    no row is fully masked, which skips those two passes. With ``scratch`` S may be spent:
+    where :func:`spendable` finds that saves a buffer, the mask is applied to S in place
+    and the softmax written over it."""
+    scratch = scratch and spendable(S)
+    softmax = over_scratch if scratch else _fresh
+    if mask is None:
+        return softmax(S)
+    if mask.dtype == torch.bool:
+        admissible = mask
+        S = (S.masked_fill_ if scratch else S.masked_fill)(~mask, float("-inf"))
+    else:
+        admissible = mask != float("-inf")
+        S = S.add_(mask) if scratch else S + mask
+    if every_row_sees_a_key:
+        return softmax(S)
+    dead = ~admissible.any(dim=-1, keepdim=True)
+    A = softmax((S.masked_fill_ if scratch else S.masked_fill)(dead, 0.0))
+    return A.masked_fill(dead, 0.0)
+
+
+def _fresh(S: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(S, dim=-1)
+
+
+def guarded(logits: torch.Tensor) -> torch.Tensor:
+    """``softmax_σ(logits)`` over the last axis, a row whose every logit is −∞ exact zeros
+    with zero gradients (NaN, being no −∞, still propagates)."""
+    dead = logits.amax(dim=-1, keepdim=True) == float("-inf")
+    return torch.softmax(logits.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """``log Σ_σ exp(logits)`` over the last axis: ``torch.logsumexp``, whose gradient on a
+    row of −∞ (the empty sum, −∞ itself) is zeros rather than NaN."""
+    dead = logits.amax(dim=-1, keepdim=True) == float("-inf")
+    lse = torch.logsumexp(logits.masked_fill(dead, 0.0), dim=-1)
+    return lse.masked_fill(dead.squeeze(-1), float("-inf"))
+
+
+def with_sink(S: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Equation (3) with a sink: the softmax over σ and one more logit ``s_μ`` (S being
+    ``S[n μ τ σ]``), whose weight is dropped. A row with nothing to attend to, its sink
+    included (``s_μ = −∞``), gives zeros, as a fully masked row does."""
+    if mask is not None:
+        S = S.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else S + mask
+    s = sinks.to(S.dtype)[:, None, None].expand(*S.shape[:-1], 1)
+    return guarded(torch.cat([S, s], dim=-1))[..., :-1]

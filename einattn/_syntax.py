@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .errors import at
+from .errors import EinattnError, at
 
 _TOKEN = re.compile(r"\s*(?:(?P<name>[^\W\d]\w*)|(?P<sym>sqrt|[\[\]()=/√·*])|(?P<bad>\S))")
 
@@ -65,10 +65,10 @@ def _axis_text(axis: Axis) -> str:
 
 
 class _Tokens:
-    def __init__(self, text: str):
+    def __init__(self, text: str, pattern: re.Pattern = _TOKEN):
         self.text = text
         self.items: list[tuple[str, str, int]] = []
-        for m in _TOKEN.finditer(text):
+        for m in pattern.finditer(text):
             kind = m.lastgroup
             if kind == "bad":
                 raise at(f"unexpected character {m.group(kind)!r}", text, m.start(kind))
@@ -112,13 +112,58 @@ def _scale(tokens: _Tokens) -> tuple[str | None, int]:
     if tokens.peek()[1] != "/":
         return None, -1
     tokens.take("/")
-    root = tokens.take("√", "sqrt")[1]
-    if root == "sqrt":
+    return root(tokens)
+
+
+def root(tokens: _Tokens) -> tuple[str, int]:
+    """``√a`` or ``sqrt(a)``: the index whose size's square root divides, and its place."""
+    symbol = tokens.take("√", "sqrt")[1]
+    if symbol == "sqrt":
         tokens.take("(")
     _, index, pos = tokens.take("name")
-    if root == "sqrt":
+    if symbol == "sqrt":
         tokens.take(")")
     return index, pos
+
+
+# The tokens of the expression language (einattn._expression): numbers, + − - and commas too.
+EXPRESSION_TOKEN = re.compile(r"\s*(?:(?P<number>\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)|"
+                              r"(?P<name>[^\W\d]\w*)|(?P<sym>[\[\]()=/√·*+\-−,])|(?P<bad>\S))")
+
+
+def is_expression(text: str) -> bool:
+    """Whether ``text`` uses what only the expression language has (a function, a sum or
+    difference, a number, a scalar, a division by a tensor); decided from its tokens, so
+    that a product that fails to parse keeps the product grammar's message."""
+    try:
+        items = _Tokens(text, EXPRESSION_TOKEN).items
+    except EinattnError:
+        return False
+    depth, after = 0, ("", "")  # bracket depth; the two tokens before
+    indices = {v for k, (_, v, _) in enumerate(items) if _inside(items, k)}
+    for k, (kind, value, _) in enumerate(items):
+        following = items[k + 1][1] if k + 1 < len(items) else ""
+        depth += {"[": 1, "]": -1}.get(value, 0)
+        if value in "+-−," or (kind == "number" and depth == 0):
+            return True
+        if kind == "name" and depth == 0 and value != "sqrt" and following == "(":
+            return True  # a function
+        if value == "/" and following not in ("√", "sqrt", *indices):
+            return True  # a division by something other than a root (or a root's index)
+        scale = after[1] in ("√", "(") and after[0] in ("/", "sqrt", "√")
+        if kind == "name" and depth == 0 and following in ("·", "*", ")", "") and not scale \
+                and value not in indices:
+            return True  # a scalar
+        after = (after[1], value)
+    return False
+
+
+def _inside(items: list[tuple[str, str, int]], k: int) -> bool:
+    """Whether token ``k`` stands inside brackets (an index)."""
+    depth = 0
+    for _, value, _ in items[:k]:
+        depth += {"[": 1, "]": -1}.get(value, 0)
+    return depth > 0
 
 
 def parse(text: str) -> Parsed:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import circuits, cross, functional, layouts, linear, masks, reference, rotary
+from . import circuits, cross, functional, layouts, linear, reference, rotary
 from . import gradient_steps as _gradient
 from . import pattern_steps as _pattern
 from .cache import KVCache
@@ -99,16 +99,6 @@ def _bma_projection(n_heads: int):
         return Equation("P[n τ μ B a] = X[n τ i] W[(B μ a) i]")(
             X=X, W=layouts.to_bma(W, n_heads=n_heads), μ=n_heads, B=3)
     return in_torch_layout
-
-
-def _softmax_additive(S):
-    L_q, L_k = S.shape[-2:]
-    return functional.masked_softmax(S, masks.additive_causal_mask(L_q, L_k, dtype=S.dtype))
-
-
-def _softmax_boolean(S):
-    L_q, L_k = S.shape[-2:]
-    return functional.masked_softmax(S, masks.causal_mask(L_q, L_k))
 
 
 def _layers(n_heads: int, causal: bool):
@@ -399,8 +389,10 @@ def steps(sizes: dict[str, int] | None = None) -> list[Step]:
              _concat_then_linear, s, exact=True),
         Step("(μ B a) and (B μ a) related by a rearrangement", functional.PROJECT,
              _bma_projection(μ), s, exact=True),
-        Step("additive causal M = boolean causal mask", _softmax_additive, _softmax_boolean,
-             s, exact=False, inputs={"S": "n μ τ σ"}),
+        Step("(3) softmax_σ(S + M) as its Equation = torch.softmax with the mask applied",
+             *_pattern.softmax_forms(), s, exact=False, inputs=_pattern.MASKED),
+        Step("additive causal M = boolean causal mask", *_pattern.causal_softmaxes(), s,
+             exact=False, inputs={"S": "n μ τ σ"}),
         Step("whole layer = reshape form", layer, reshape, self_sizes, exact=False,
              inputs={"X": "n τ i", "W": "(μ B a) i", "W_O": "μ a i"}),
         *variation_steps(s),
@@ -415,12 +407,6 @@ def _scores_without_scale(Q, K):
 
 def _scores_scaled(Q, K):
     return Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])
-
-
-def _off_by_one_causal(S):
-    L_q, L_k = S.shape[-2:]
-    allowed = torch.ones(L_q, L_k, dtype=torch.bool).tril(diagonal=1)
-    return functional.masked_softmax(S, allowed)
 
 
 def _transposed_W_O(Z, W_O):
@@ -440,8 +426,10 @@ def mutations(sizes: dict[str, int] | None = None) -> list[Step]:
         Step("wrong group order (B μ a) read as (μ B a)", functional.PROJECT,
              "P[n τ μ B a] = X[n τ i] W[(B μ a) i]", s, exact=True),
         Step("transposed W_O", functional.HEADS, _transposed_W_O, s, exact=True),
-        Step("off-by-one causal mask", _softmax_boolean, _off_by_one_causal, self_sizes,
-             exact=False, inputs={"S": "n μ τ σ"}),
+        Step("off-by-one causal mask", _pattern.causal_softmaxes()[1], _pattern.off_by_one,
+             self_sizes, exact=False, inputs={"S": "n μ τ σ"}),
+        Step("(3)'s softmax along τ, not σ", _pattern.softmax_along_tau,
+             _pattern.softmax_forms()[1], s, exact=False, inputs=_pattern.MASKED),
         Step("tiling (a μ) instead of interleaving (μ a)", "Y[n (μ a)] = T[n μ a]",
              "Y[n (a μ)] = T[n μ a]", s, exact=True),
         *variation_mutations(s),

@@ -265,11 +265,12 @@ def check_block(block: Block, *, exact_only: bool = False, seed: int = 0) -> lis
 
 def _check_step(block: Block, step: Step, exact_only: bool, seed: int) -> Checked:
     lhs, rhs = block.first.equation, step.equation
-    exact = lhs.scale is None and rhs.scale is None
+    exact = all(side.is_contraction and side.scale is None for side in (lhs, rhs))
     mode = "exact" if exact else "float"
     if exact_only and not exact:
-        return Checked(block, step, mode, reason="skipped: divides by a square root, "
-                                                 "float mode only")
+        why = "divides by a square root" if lhs.is_contraction and rhs.is_contraction \
+            else "applies functions, no contraction"
+        return Checked(block, step, mode, reason=f"skipped: {why}, float mode only")
     shapes = _same_shapes(block.first, (step,), block.sizes, block.source, False)
     if shapes:
         return Checked(block, step, mode, reason=shapes)

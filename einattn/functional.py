@@ -33,7 +33,7 @@ from .notation import Equation
 
 PROJECT = Equation("P[n τ μ B a] = X[n τ i] W[(μ B a) i]")
 SCORES = Equation("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a")
-SOFTMAX = "A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[n μ τ σ])"
+SOFTMAX = Equation("A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[n μ τ σ])")
 VALUES = Equation("Z[n μ τ a] = A[n μ τ σ] V[n μ σ a]")
 HEADS = Equation("Y[n τ i] = Z[n μ τ a] W_O[μ a i]")
 HEAD_TERMS = Equation("Y_μ[n μ τ i] = Z[n μ τ a] W_O[μ a i]")
@@ -185,53 +185,28 @@ def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None, *,
     else): the two passes over S that guard such rows are then skipped. ``sinks`` ``s[μ]``
     (S being ``S[n μ τ σ]``) adds one logit to each row's denominator,
     ``A = exp(S'_σ) / (exp(s_μ) + Σ_σ' exp(S'_σ'))``: rows sum to less than one, and a
-    fully masked row is zeros.
+    fully masked row is zeros. A float mask runs :data:`SOFTMAX` itself; the other forms
+    run :func:`einattn._softmax.masked`, the same contract (tests/test_functional.py).
 
     >>> masked_softmax(torch.zeros(2, 2), torch.tensor([[True, True], [False, False]]))
     tensor([[0.5000, 0.5000],
             [0.0000, 0.0000]])
     """
     if sinks is not None:
-        return _sink_softmax(S, mask, sinks)
-    return _masked_softmax(S, mask, every_row_sees_a_key, scratch=False)
+        return _softmax.with_sink(S, mask, sinks)
+    if _as_written(S, mask, every_row_sees_a_key):
+        return SOFTMAX(S=S, M=mask.expand(S.shape))
+    return _softmax.masked(S, mask, every_row_sees_a_key)  # the same numbers, for what
+    # SOFTMAX does not take: no mask, a boolean one, a promise, S not S[n μ τ σ]
 
 
-def _masked_softmax(S: torch.Tensor, mask: torch.Tensor | None, every_row_sees_a_key: bool,
-                    *, scratch: bool) -> torch.Tensor:
-    """Equation (3); with ``scratch`` S may be spent: where :mod:`einattn._softmax` finds
-    that saves a buffer, the mask is applied to S in place and the softmax written over it."""
-    scratch = scratch and _softmax.spendable(S)
-    softmax = _softmax.over_scratch if scratch else _softmax_fresh
-    if mask is None:
-        return softmax(S)
-    if mask.dtype == torch.bool:
-        admissible = mask
-        S = (S.masked_fill_ if scratch else S.masked_fill)(~mask, float("-inf"))
-    else:
-        admissible = mask != float("-inf")
-        S = S.add_(mask) if scratch else S + mask
-    if every_row_sees_a_key:
-        return softmax(S)
-    dead = ~admissible.any(dim=-1, keepdim=True)
-    A = softmax((S.masked_fill_ if scratch else S.masked_fill)(dead, 0.0))
-    return A.masked_fill(dead, 0.0)
-
-
-def _softmax_fresh(S: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(S, dim=-1)
-
-
-def _sink_softmax(S: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor):
-    """Equation (3) with a sink: the softmax over σ and one more logit ``s_μ``, whose
-    weight is dropped. A row with nothing to attend to, its sink included (``s_μ = −∞``),
-    gives zeros, as a fully masked row does."""
-    if mask is not None:
-        S = S.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else S + mask
-    s = sinks.to(S.dtype)[:, None, None].expand(*S.shape[:-1], 1)
-    logits = torch.cat([S, s], dim=-1)
-    dead = logits.amax(dim=-1, keepdim=True) == float("-inf")
-    A = torch.softmax(logits.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
-    return A[..., :-1]
+def _as_written(S: torch.Tensor, mask: torch.Tensor | None, every_row_sees_a_key: bool) -> bool:
+    """Whether (3) runs as written: a float mask M of S's dtype and device that broadcasts
+    to ``S[n μ τ σ]`` (a view of it is then ``M[n μ τ σ]``)."""
+    if mask is None or every_row_sees_a_key or S.ndim != 4 or mask.ndim > 4:
+        return False
+    sizes = zip(mask.shape[::-1], S.shape[::-1], strict=False)  # broadcast from the last axis
+    return mask.dtype == S.dtype and mask.device == S.device and all(m in (1, s) for m, s in sizes)
 
 
 def weighted_values(A: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
@@ -438,9 +413,9 @@ def _einsum_stages(Q, K, V, M, pattern, dropout: float,
         S = attention_scores(Q, K)
     logits = pattern.scored(S, at) if pattern.scores else S  # cap(S) + B
     if pattern.sinks is not None:
-        A = _sink_softmax(logits, M, pattern.sinks)
+        A = _softmax.with_sink(logits, M, pattern.sinks)
     else:
-        A = _masked_softmax(logits, M, no_dead_row, scratch=scratch)
+        A = _softmax.masked(logits, M, no_dead_row, scratch=scratch)
     A = A.to(V.dtype) if half else A
     if dropout:
         A = torch.nn.functional.dropout(A, p=dropout)

@@ -16,7 +16,6 @@ cached per shape signature so a call in a training loop costs about one ``torch.
 from __future__ import annotations
 
 import math
-import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -26,12 +25,11 @@ import opt_einsum
 import torch
 
 from . import _autocast
-from ._lowering import contraction
-from ._syntax import Parsed, Term, parse
+from ._lowering import assign_letters, contraction
+from ._syntax import Parsed, Term, is_expression, parse
 from .errors import EinattnError, at
 from .latex import read, render
 
-_LETTERS = string.ascii_lowercase + string.ascii_uppercase
 _MAX_PLANS = 256
 
 
@@ -104,8 +102,18 @@ class Equation:
     """An index equation ``Out[...] = A[...] B[...] ... [/ √index]``.
 
     Call it with the operands as keyword tensors, and with keyword integers for sizes of
-    grouped indices that cannot be inferred: ``eq(X=x, W=w, μ=4, B=3)``.
+    grouped indices that cannot be inferred: ``eq(X=x, W=w, μ=4, B=3)``. A right side that
+    is more than one product (``softmax_σ(S[…] + M[…])``, ``c · tanh(S[…] / c)``) makes an
+    :class:`einattn._expression_run.Expression`, this class with the expression language.
     """
+
+    is_contraction = True  # one product of terms; an Expression is more
+
+    def __new__(cls, text: str = "") -> Equation:
+        if cls is Equation and isinstance(text, str) and is_expression(text):
+            from ._expression_run import Expression  # which imports this module
+            cls = Expression
+        return super().__new__(cls)
 
     def __init__(self, text: str):
         if not isinstance(text, str):
@@ -114,7 +122,7 @@ class Equation:
                                f"{type(text).__name__}")
         self.text = text
         self._parsed: Parsed = parse(text)
-        self._letters = _assign_letters(self._parsed, text)
+        self._letters = assign_letters(self._parsed, text)
         self._subscripts = self._letter_subscripts()  # the einsum string, e.g. "nmta,nmsa->nmts"
         self._plans: dict[tuple, _Plan] = {}
         self.operands: tuple[str, ...] = tuple(dict.fromkeys(t.name for t in self._parsed.operands))
@@ -428,23 +436,3 @@ def _shape_of(name: str, value: Any, allow_shapes: bool) -> tuple[int, ...]:
         raise EinattnError(f"shape of {name} must be non-negative ints, got {tuple(value)!r}")
     expected = "a torch.Tensor or a shape" if allow_shapes else "a torch.Tensor"
     raise EinattnError(f"{name} must be {expected}, got {type(value).__name__}")
-
-
-def _assign_letters(parsed: Parsed, text: str) -> dict[str, str]:
-    """Index name -> einsum letter: one-letter ASCII names keep their letter, others
-    (Greek, multi-letter) take the first free one. torch.einsum takes only ASCII."""
-    terms = (parsed.output, *parsed.operands)
-    names = list(dict.fromkeys(i for t in terms for i in t.indices))
-    taken = {n for n in names if len(n) == 1 and n in _LETTERS}
-    free = iter(c for c in _LETTERS if c not in taken)
-    mapping = {}
-    for n in names:
-        if n in taken:
-            mapping[n] = n
-        else:
-            letter = next(free, None)
-            if letter is None:
-                raise at(f"too many indices: einsum has {len(_LETTERS)} letters", text)
-            mapping[n] = letter
-    return mapping
-

@@ -19,7 +19,8 @@ import math
 import torch
 
 from . import functional
-from .masks import alibi_slopes
+from .masks import additive_causal_mask, alibi_slopes, causal_mask
+from .notation import Equation
 
 QKV = {"Q": "n μ τ a", "K": "n μ σ a", "V": "n μ σ a"}
 SINKS = {**QKV, "s": "μ"}
@@ -63,6 +64,56 @@ def _softmax_values(logits: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
     """``softmax_σ(logits) V`` (``−∞`` where blocked); a query that sees no key gets zeros."""
     dead = logits.isneginf().all(dim=-1, keepdim=True)
     return torch.where(dead, 0.0, torch.softmax(logits, dim=-1)) @ V
+
+
+# -- equation (3) itself: its Equation against torch.softmax, the mask applied by hand -------
+
+MASKED = {"S": "n μ τ σ", "M": "n μ τ σ"}
+
+
+def _masked(M: torch.Tensor) -> torch.Tensor:
+    """A mask from a draw ``M``: −∞ where the draw is below −0.5 (about a third of the
+    keys) and along the whole first query row, which no key is left to; 0 elsewhere."""
+    blocked = M < -0.5
+    blocked[..., 0, :] = True
+    return torch.zeros_like(M).masked_fill(blocked, -math.inf)
+
+
+def softmax_forms():
+    """Equation (3) as :data:`einattn.functional.SOFTMAX` runs it, and ``torch.softmax``
+    with the mask applied by hand: blocked scores ``−∞``, a row with nothing left zeros."""
+    def equation_3(S, M):
+        return functional.SOFTMAX(S=S, M=_masked(M))
+
+    def torch_softmax(S, M):
+        allowed = _masked(M) == 0
+        A = torch.softmax(S.masked_fill(~allowed, -math.inf), dim=-1)
+        return torch.where(allowed.any(dim=-1, keepdim=True), A, 0.0)
+    return equation_3, torch_softmax
+
+
+def softmax_along_tau(S, M):
+    """Wrong: ``softmax_τ(S + M)``, the named axis τ where σ is meant."""
+    return Equation("A[n μ τ σ] = softmax_τ(S[n μ τ σ] + M[n μ τ σ])")(S=S, M=_masked(M))
+
+
+def causal_softmaxes():
+    """(3) with the causal mask as 0/−∞ floats, and as booleans."""
+    def additive(S):
+        L_q, L_k = S.shape[-2:]
+        return functional.masked_softmax(S, additive_causal_mask(L_q, L_k, dtype=S.dtype))
+
+    def boolean(S):
+        L_q, L_k = S.shape[-2:]
+        return functional.masked_softmax(S, causal_mask(L_q, L_k))
+    return additive, boolean
+
+
+def off_by_one(S):
+    """Wrong: a causal mask that lets each query see one key ahead."""
+    L_q, L_k = S.shape[-2:]
+    allowed = torch.ones(L_q, L_k, dtype=torch.bool).tril(diagonal=1)
+    return functional.masked_softmax(S, allowed)
 
 
 # -- the sliding window ------------------------------------------------------------------------

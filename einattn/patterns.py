@@ -33,6 +33,7 @@ import torch
 
 from .errors import EinattnError
 from .masks import alibi_slopes
+from .notation import Equation
 
 
 class Grid(NamedTuple):
@@ -153,11 +154,14 @@ class Softcap:
     """Logit softcapping (Gemma 2): ``cap(S) = c · tanh(S / c)``, on the scaled scores."""
 
     c: float
-    LATEX = r"\operatorname{cap}(S)_{n\mu\tau\sigma} = c \tanh\left(S_{n\mu\tau\sigma} / c\right)"
+    CAP = Equation("C[n μ τ σ] = c · tanh(S[n μ τ σ] / c)")  # C = cap(S)
+    LATEX = CAP.latex()
     ADDITIVE = False  # a function of S, not a term added to it
 
     def score(self, S, n, mu, tau, sigma):
-        return torch.tanh(S / self.c) * self.c
+        if S.ndim == 4:  # the dense form and a tile's: S[n μ τ σ]
+            return self.CAP(S=S, c=self.c)
+        return self.c * torch.tanh(S / self.c)  # FlexAttention's scalars: CAP's arithmetic
 
     def grad(self, S, dS):
         """``∂L/∂S`` from ``∂L/∂cap(S)``: ``dS · (1 − tanh²(S / c))``."""
@@ -185,8 +189,10 @@ class ALiBi:
 
 # -- the sink: one more logit in the softmax's denominator ---------------------------------------
 
-SINK_LATEX = (r"A_{n\mu\tau\sigma} = \frac{\exp S'_{n\mu\tau\sigma}}{\exp s_\mu + "
-              r"\sum_{\sigma'} \exp S'_{n\mu\tau\sigma'}}")
+# The definition; it runs as einattn._softmax.with_sink, which never overflows (tests check
+# the two agree): S is the logits cap(S) + B + M, s[μ] the sink.
+SINK = Equation("A[n μ τ σ] = exp(S[n μ τ σ]) / (exp(s[μ]) + sum_σ(exp(S[n μ τ σ])))")
+SINK_LATEX = SINK.latex()
 
 
 @dataclass(frozen=True, eq=False)

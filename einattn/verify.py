@@ -6,6 +6,8 @@ random per tensor name (a tensor used twice gets one value) with shapes from ``s
 
 * Float mode: float64 normal draws, several of them; the sides must agree to a tolerance
   scaled to the outputs' magnitudes.
+  An equation of the expression language (``softmax_σ``, ``exp``, a sum of terms) is
+  compared so, its named scalars drawn as 0-d tensors.
 * Exact mode (``exact=True``), for multilinear steps (pure contractions): integer draws and
   integer arithmetic, so equality is exact. Two different multilinear polynomials of
   degree ``d`` agree at a random point of ``S^k`` with probability at most ``d/|S|``
@@ -117,6 +119,8 @@ def _signature(sides: list, inputs: dict[str, str] | None) -> dict[str, Callable
         if isinstance(side, Equation):
             for term in side.terms:
                 signature.setdefault(term.name, _shape_maker(term.name, term.axes))
+            for name in getattr(side, "scalars", ()):  # an expression's c: a 0-d draw
+                signature.setdefault(name, _shape_maker(name, ()))
     for name, text in (inputs or {}).items():
         term = Equation(f"_[] = {name}[{text}]").terms[0]
         signature[name] = _shape_maker(name, term.axes)
@@ -138,6 +142,9 @@ def _shape_maker(name: str, axes) -> Callable[[dict[str, int]], tuple[int, ...]]
 
 def _check_exact(sides: list) -> None:
     for side in sides:
+        if isinstance(side, Equation) and not side.is_contraction:
+            raise EinattnError(f"exact=True needs a multilinear step, but {side.text!r} is "
+                               f"no contraction (it applies functions); use float mode")
         if isinstance(side, Equation) and side.scale is not None:
             raise EinattnError(f"exact=True needs a multilinear step, but {side.text!r} divides "
                                f"by √{side.scale}, which is irrational in general; "
@@ -167,7 +174,8 @@ def _draw(shape: tuple[int, ...], span: int, generator: torch.Generator) -> torc
 def _evaluate(side, tensors: dict[str, torch.Tensor], sizes: dict[str, int]) -> torch.Tensor:
     if isinstance(side, Equation):
         known = {k: v for k, v in sizes.items() if k in side.indices}
-        return side(**{n: tensors[n] for n in side.operands}, **known)
+        names = (*side.operands, *getattr(side, "scalars", ()))
+        return side(**{n: tensors[n] for n in names}, **known)
     parameters = inspect.signature(side).parameters
     takes_all = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     return side(**{k: v for k, v in tensors.items() if takes_all or k in parameters})

@@ -30,6 +30,7 @@ STEP_TOPICS = [
     "index fusion (a i) = a·p + i",
     "W_O[μ a i] contraction = concatenate heads + linear",
     "(μ B a) and (B μ a) related by a rearrangement",
+    "(3) softmax_σ(S + M) as its Equation = torch.softmax with the mask applied",
     "additive causal M = boolean causal mask",
     "whole layer = reshape form",
     "GQA (g C a) layout = repeat-interleave reference",
@@ -59,7 +60,7 @@ STEP_TOPICS = [
 ]
 MUTATION_TOPICS = ["K and V swapped in W_KV", "swapped indices", "missing 1/√a scale",
                    "wrong group order",
-                   "transposed W_O", "off-by-one causal mask", "tiling (a μ)",
+                   "transposed W_O", "off-by-one causal mask", "softmax along τ", "tiling (a μ)",
                    "tiled GQA heads", "strict prefix", "window off by one",
                    "window aligned top-left", "softcap after B and M",
                    "softcap before the 1/√a scale", "sink counted in", "sign flipped",

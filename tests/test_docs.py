@@ -45,8 +45,6 @@ SHOWN = [(tag, "functional", c, f) for tag, c, f in STAGES] + VARIATIONS
 
 # The only display equations allowed without an Equation behind them: name -> (tag, LaTeX).
 HAND_WRITTEN = {
-    "softmax (3)": ("3", r"A_{n \mu \tau \sigma} = \operatorname{softmax}_{\sigma}"
-                         r"\left(S_{n \mu \tau \sigma} + M_{n \mu \tau \sigma}\right)"),
     "fusion rule": (None, r"(a\, i) = a \cdot p + i"),
     # (2) with another scale s: run by handing (2)–(4) Q · s√a (functional.check_scale)
     "scaled scores": (None, r"S_{n \mu \tau \sigma} = s \, Q_{n \mu \tau a} K_{n \mu \sigma a}"),
@@ -98,7 +96,7 @@ def displays(doc: str) -> list[tuple[int, int, str, str | None]]:
 
 def equation_problems(doc: str) -> list[str]:
     """Every way the display equations of ``doc`` disagree with einattn.functional."""
-    expected = {latex_of(m, c): tag for tag, m, c, _ in SHOWN if c != "SOFTMAX"}
+    expected = {latex_of(m, c): tag for tag, m, c, _ in SHOWN}
     expected |= {latex: tag for tag, latex in HAND_WRITTEN.values()}
     expected |= dict.fromkeys(PATTERN_LATEX)  # untagged: terms of (3), not stages
     found = displays(doc)
@@ -130,22 +128,21 @@ def equation_problems(doc: str) -> list[str]:
 
 def test_every_equation_constant_has_a_stage():
     constants = {name for name, v in vars(F).items() if isinstance(v, Equation)}
-    assert constants == {c for _, c, _ in STAGES} - {"SOFTMAX"}
-    assert isinstance(F.SOFTMAX, str)
+    assert constants == {c for _, c, _ in STAGES}
 
 
 def test_derivation_shows_the_equations_the_code_runs():
     assert equation_problems(DERIVATION.read_text(encoding="utf-8")) == []
 
 
-def test_softmax_latex_names_the_tensors_of_the_code_string():
-    terms = re.findall(r"\w+\[[^\]]*\]", F.SOFTMAX)  # A[n μ τ σ], S[...], M[...]
-    rendered = Equation(f"{terms[0]} = {' '.join(terms[1:])}").latex()
-    term_latex = re.findall(r"\w_\{[^}]*\}", rendered)
-    assert len(term_latex) == len(terms) == 3
-    hand_written = HAND_WRITTEN["softmax (3)"][1]
-    assert all(t in hand_written for t in term_latex), (term_latex, hand_written)
-    assert "softmax_σ(" in F.SOFTMAX and r"\operatorname{softmax}_{\sigma}" in hand_written
+def test_the_softmax_runs_and_its_latex_is_its_own():
+    """(3) is an Equation like the others: no plain string, no LaTeX copied by hand (the
+    command line's is rendered from it), and docs/derivation.md says so."""
+    from einattn import cli
+    assert not F.SOFTMAX.is_contraction
+    assert cli.SOFTMAX_LATEX == F.SOFTMAX.latex()
+    assert r"\operatorname{softmax}_{\sigma}\left(S_{n \mu \tau \sigma} + M" in F.SOFTMAX.latex()
+    assert "plain string" not in DERIVATION.read_text(encoding="utf-8")
 
 
 MUTATIONS = [  # (old, new): each edit of the doc must be reported
@@ -156,7 +153,10 @@ MUTATIONS = [  # (old, new): each edit of the doc must be reported
     ("## 5. Masks\n", "## 5. Masks\n\n$$\nM = 0\n$$\n"),
     ("$$\n(a\\, i) = a \\cdot p + i\n$$\n", ""),
     (r"0 & \sigma \le \tau' \\", r"0 & \sigma < \tau' \\"),  # the causal piece's LaTeX
-    (r"\exp s_\mu +", r"1 +"),  # the sink's
+    (r"\exp\left(s_{\mu}\right) +", r"1 +"),  # the sink's
+    ("+ M[n μ τ σ])\n```", ")\n```"),  # the code block of (3)
+    (r"\operatorname{softmax}_{\sigma}\left(S_{n \mu \tau \sigma} + M",
+     r"\operatorname{softmax}_{\tau}\left(S_{n \mu \tau \sigma} + M"),  # its LaTeX
 ]
 
 

@@ -1,6 +1,7 @@
 """Every ``raise`` of the Equation engine, with the message a user would read.
 
-Each raise site in einattn/notation.py and einattn/_syntax.py has a case in ``SITES``,
+Each raise site in einattn/notation.py, einattn/_syntax.py and einattn/_lowering.py has a
+case in ``SITES`` (the expression language's are in tests/test_expression.py),
 keyed by its message template (``{}`` for each interpolated value);
 ``test_every_raise_site_has_a_case`` reads the source and fails when a new raise site has
 no case here. A case checks the
@@ -168,8 +169,8 @@ SITES = [
          r"^too many indices: einsum has 52 letters\n", MANY),
     # -- _syntax.py ---------------------------------------------------------------------
     Site("unexpected character {}", "unexpected_character",
-         lambda: Equation("S[τ σ] = Q[τ a] + K[σ a]"),
-         r"^unexpected character '\+'\n", "S[τ σ] = Q[τ a] + K[σ a]", (16,)),
+         lambda: Equation("S[τ σ] = Q[τ a] & K[σ a]"),
+         r"^unexpected character '&'\n", "S[τ σ] = Q[τ a] & K[σ a]", (16,)),
     Site("unexpected character {}", "digit_as_index",
          lambda: Equation("S[τ 2] = Q[τ a]"),
          r"^unexpected character '2'\n", "S[τ 2] = Q[τ a]", (4,)),
@@ -247,7 +248,8 @@ def _raise_sites(path: Path) -> set[str]:
 
 def test_every_raise_site_has_a_case():
     package = Path(einattn.__file__).parent
-    sites = _raise_sites(package / "notation.py") | _raise_sites(package / "_syntax.py")
+    sites = set().union(*(_raise_sites(package / name)
+                          for name in ("notation.py", "_syntax.py", "_lowering.py")))
     assert len(sites) >= 20
     assert sites == {s.key for s in SITES}
 

@@ -871,3 +871,36 @@ def test_every_raise_site_in_patterns_py_is_reached():
     missing = sorted(_raise_lines(source) - reached)
     assert not missing, f"raise sites in patterns.py with no test: lines {missing}"
 
+
+
+# -- the pieces written as equations: the softcap's CAP, the sink's SINK ----------------------
+
+
+def test_softcap_runs_its_equation_and_flex_scalars_do_its_arithmetic():
+    """The dense form and a tile's run ``Softcap.CAP``; FlexAttention's scalar form does the
+    same two operations, bit for bit; its LaTeX is CAP's."""
+    cap = patterns.Softcap(2.5)
+    S = randn(N, MU, 7, 11, seed=3) * 4
+    at = patterns.grid(N, MU, 7, 11, "cpu")
+    dense = cap.score(S, *at)
+    assert torch.equal(dense, patterns.Softcap.CAP(S=S, c=2.5))
+    assert torch.equal(dense, 2.5 * torch.tanh(S / 2.5))
+    scalars = torch.stack([cap.score(s, *at) for s in S.flatten()[:20]])
+    assert torch.equal(scalars, dense.flatten()[:20])
+    assert patterns.Softcap.LATEX == patterns.Softcap.CAP.latex()
+    assert r"\tanh\left(\frac{S_{n \mu \tau \sigma}}{c}\right)" in patterns.Softcap.LATEX
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["open", "a fully masked row"])
+def test_the_sink_equation_is_the_sink_softmax(masked):
+    """``SINK``, the definition, equals the stable form every impl's einsum path runs."""
+    from einattn import _softmax
+    S, s = randn(N, MU, 7, 11, seed=4), randn(MU, seed=5)
+    M = torch.zeros(7, 11, dtype=F64)
+    if masked:
+        M[2] = -INF
+    A = _softmax.with_sink(S, M, s)
+    torch.testing.assert_close(patterns.SINK(S=S + M, s=s), A, rtol=1e-12, atol=1e-12)
+    assert patterns.SINK_LATEX == patterns.SINK.latex()
+    if masked:
+        assert torch.equal(A[:, :, 2], torch.zeros(N, MU, 11, dtype=F64))

@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 
 from .. import functional
-from ..notation import Equation
 from .options import Command
 from .output import Output, Paint
 from .trace import EQUATIONS
 
-SOFTMAX_LATEX = (r"A_{n \mu \tau \sigma} = \operatorname{softmax}_{\sigma}"
-                 r"\left(S_{n \mu \tau \sigma} + M_{n \mu \tau \sigma}\right)")
+SOFTMAX_LATEX = functional.SOFTMAX.latex()  # (3), as the Equation renders itself
 
 
 def latex_equations() -> list[dict]:
@@ -20,9 +18,8 @@ def latex_equations() -> list[dict]:
     found = []
     for name, number in EQUATIONS.items():
         equation = getattr(functional, name)
-        rendered = equation.latex() if isinstance(equation, Equation) else SOFTMAX_LATEX
         found.append({"number": number, "name": name, "equation": str(equation),
-                      "latex": rendered})
+                      "latex": equation.latex()})
     return found
 
 

@@ -42,7 +42,7 @@ class Stage:
 
     number: str
     name: str
-    equation: Equation | str  # a str where the stage is no contraction (the softmax)
+    equation: Equation
     inputs: dict[str, tuple[int, ...]]
     outputs: dict[str, tuple[int, ...]]
     plans: tuple[Explanation, ...] = ()  # one per contraction the stage runs
@@ -121,7 +121,7 @@ def _stage(name: str, inputs: dict[str, tuple[int, ...]], outputs: dict[str, tup
     """``runs``: the operand shapes of each contraction the stage runs (default: one, on
     ``inputs``); the softmax runs none."""
     equation = getattr(functional, name)
-    if not isinstance(equation, Equation):  # the softmax: no contraction to explain
+    if not equation.is_contraction:  # the softmax: no contraction to explain
         runs = []
     elif runs is None:
         runs = [inputs]

@@ -1,0 +1,303 @@
+"""The expression language of ``Equation``: named-axis functions, elementwise functions,
+sums and scalars, against torch written out by hand, in float64 at ≤1e-12, with all
+sizes distinct; its LaTeX, its ``explain()``, and every error with its caret."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_errors import _raise_sites
+
+import einattn
+from einattn import EinattnError, Equation
+from einattn import functional as F
+
+F64 = torch.float64
+n, μ, τ, σ, a, c_ = 2, 3, 5, 7, 4, 6  # all distinct
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+def dead_row_mask():
+    """0 / −∞ with about a third blocked and the whole row (0, 1, 2) blocked."""
+    blocked = randn(n, μ, τ, σ, seed=9) < -0.5
+    blocked[0, 1, 2] = True
+    return torch.zeros(n, μ, τ, σ, dtype=F64).masked_fill(blocked, -math.inf)
+
+
+def masked_softmax_by_hand(S, M):
+    allowed = M == 0
+    A = torch.softmax(S.masked_fill(~allowed, -math.inf), dim=-1)
+    return torch.where(allowed.any(-1, keepdim=True), A, 0.0)
+
+
+SOFTMAX = "A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[n μ τ σ])"
+
+
+# -- must show: (3), logsumexp, softcap -----------------------------------------------------
+
+def test_softmax_of_scores_plus_mask_is_the_masked_softmax_forward_and_backward():
+    S, M = randn(n, μ, τ, σ, seed=1).requires_grad_(), dead_row_mask()
+    A = Equation(SOFTMAX)(S=S, M=M)
+    close(A, masked_softmax_by_hand(S, M))
+    assert torch.equal(A[0, 1, 2], torch.zeros(σ, dtype=F64))  # exact zeros
+    dA = randn(n, μ, τ, σ, seed=2)
+    (dS,) = torch.autograd.grad(A, S, dA)
+    S_ref = S.detach().clone().requires_grad_()
+    (dS_ref,) = torch.autograd.grad(masked_softmax_by_hand(S_ref, M), S_ref, dA)
+    assert torch.isfinite(dS).all()
+    assert torch.equal(dS[0, 1, 2], torch.zeros(σ, dtype=F64))
+    close(dS, dS_ref)
+
+
+def test_softmax_equation_passes_gradcheck_with_a_fully_masked_row():
+    M = dead_row_mask()[:1, :2]
+    S = randn(1, 2, τ, σ, seed=3).requires_grad_()
+    eq = Equation(SOFTMAX)
+    assert torch.autograd.gradcheck(lambda S: eq(S=S, M=M), (S,))
+
+
+def test_the_mask_is_added_by_index_name_and_may_lack_indices():
+    S, M = randn(n, μ, τ, σ, seed=1), dead_row_mask()[0, 0]  # M[τ σ]
+    A = Equation("A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[τ σ])")(S=S, M=M)
+    close(A, masked_softmax_by_hand(S, M.expand(n, μ, τ, σ)))
+    Mt = M.T.contiguous()  # M[σ τ]: the same mask lying the other way
+    close(Equation("A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[σ τ])")(S=S, M=Mt), A)
+
+
+def test_logsumexp_is_torch_logsumexp():
+    S = randn(n, τ, σ, seed=4)
+    L = Equation("L[n τ] = logsumexp_σ(S[n τ σ])")
+    assert torch.equal(L(S=S), torch.logsumexp(S, dim=-1))
+    S[1, 2] = -math.inf  # an empty sum: −∞, with a zero gradient rather than NaN
+    S.requires_grad_()
+    out = L(S=S)
+    assert out[1, 2] == -math.inf
+    (g,) = torch.autograd.grad(out[0].sum() + out[1, :2].sum(), S)
+    assert torch.isfinite(g).all() and torch.equal(g[1, 2], torch.zeros(σ, dtype=F64))
+
+
+def test_softcap_is_c_tanh_s_over_c():
+    S = randn(τ, σ, seed=5) * 4
+    C = Equation("C[τ σ] = c · tanh(S[τ σ] / c)")
+    assert torch.equal(C(S=S, c=2.0), 2.0 * torch.tanh(S / 2.0))
+    assert torch.equal(C(S=S, c=torch.tensor(3.0, dtype=F64)), 3.0 * torch.tanh(S / 3.0))
+
+
+@pytest.mark.parametrize("text, reference", [
+    ("M[n τ] = max_σ(S[n τ σ])", lambda S: S.amax(-1)),
+    ("T[n τ] = sum_σ(S[n τ σ])", lambda S: S.sum(-1)),
+    ("R[n σ] = sum_τ(S[n τ σ])", lambda S: S.sum(1)),
+    ("E[σ n τ] = exp(S[n τ σ])", lambda S: S.exp().permute(2, 0, 1)),
+    ("G[n τ σ] = log(exp(S[n τ σ]) + 1)", lambda S: torch.log(S.exp() + 1)),
+    ("P[n τ σ] = softmax_τ(S[n τ σ])", lambda S: torch.softmax(S, dim=1)),
+    ("D[n τ σ] = −S[n τ σ] - 2 · S[n τ σ]", lambda S: -S - 2 * S),
+    ("H[n τ σ] = (S[n τ σ] + 1) / (S[n τ σ] − 0.5)", lambda S: (S + 1) / (S - 0.5)),
+    ("N[n τ σ] = exp(S[n τ σ] − max_σ(S[n τ σ])) / sum_σ(exp(S[n τ σ] − max_σ(S[n τ σ])))",
+     lambda S: torch.softmax(S, dim=-1)),
+])
+def test_functions_and_arithmetic_against_torch(text, reference):
+    S = randn(n, τ, σ, seed=6)
+    close(Equation(text)(S=S), reference(S))
+
+
+def test_a_product_that_sums_is_a_contraction_inside_functions():
+    Q, K, m, V = randn(τ, a, seed=1), randn(σ, a, seed=2), randn(τ, seed=3), randn(σ, c_, seed=4)
+    eq = Equation("Z[τ c] = exp(Q[τ a] K[σ a] / √a − m[τ]) V[σ c]")
+    close(eq(Q=Q, K=K, m=m, V=V), torch.exp(Q @ K.T / math.sqrt(a) - m[:, None]) @ V)
+    kinds = [stage.kind for stage in eq.explain(Q=Q, K=K, m=m, V=V).stages]
+    assert kinds == ["contraction", "entrywise", "entrywise", "contraction"]
+
+
+def test_the_online_softmax_update_of_one_tile():
+    """``m' = max(m, max_σ S)``, ``l' = exp(m − m') l + Σ_σ exp(S − m')``."""
+    S, m, total = randn(n, τ, σ, seed=1), randn(n, τ, seed=2), randn(n, τ, seed=3).abs()
+    new_m = Equation("mʹ[n τ] = max(m[n τ], max_σ(S[n τ σ]))")(m=m, S=S)
+    assert torch.equal(new_m, torch.maximum(m, S.amax(-1)))
+    new_l = Equation("lʹ[n τ] = exp(m[n τ] − mʹ[n τ]) l[n τ] + sum_σ(exp(S[n τ σ] − mʹ[n τ]))")
+    close(new_l(m=m, mʹ=new_m, l=total, S=S),
+          torch.exp(m - new_m) * total + torch.exp(S - new_m[..., None]).sum(-1))
+
+
+def test_grouped_terms_open_and_a_grouped_output_flattens():
+    X = randn(τ, μ * a, seed=1)
+    eq = Equation("Y[τ (μ a)] = exp(X[τ (μ a)])")
+    close(eq(X=X, μ=μ), X.exp())
+    close(Equation("Y[μ τ a] = tanh(X[τ (μ a)])")(X=X, μ=μ),
+          X.tanh().view(τ, μ, a).permute(1, 0, 2))
+
+
+def test_masked_softmax_runs_the_equation_and_its_fast_paths_agree(monkeypatch):
+    S, M = randn(n, μ, τ, σ, seed=1), dead_row_mask()
+    A = F.masked_softmax(S, M)
+    assert torch.equal(A, F.SOFTMAX(S=S, M=M))
+    assert torch.equal(A, F.masked_softmax(S, M == 0))  # boolean: the fast path
+    assert torch.equal(A, F.masked_softmax(S, M, every_row_sees_a_key=False))
+    calls = []
+    monkeypatch.setattr(F, "SOFTMAX", lambda **kw: calls.append(kw) or A)
+    F.masked_softmax(S, M[0, 0])  # M[τ σ] broadcast: still the equation
+    assert len(calls) == 1 and calls[0]["M"].shape == S.shape
+
+
+def test_cli_latex_of_3_is_rendered():
+    from einattn import cli
+    assert cli.SOFTMAX_LATEX == F.SOFTMAX.latex()
+
+
+# -- LaTeX ------------------------------------------------------------------------------------
+
+LATEX = [
+    (SOFTMAX, r"A_{n \mu \tau \sigma} = \operatorname{softmax}_{\sigma}\left(S_{n \mu \tau \sigma}"
+              r" + M_{n \mu \tau \sigma}\right)"),
+    ("L[n τ] = logsumexp_σ(S[n τ σ])",
+     r"L_{n \tau} = \operatorname{logsumexp}_{\sigma}\left(S_{n \tau \sigma}\right)"),
+    ("C[τ σ] = c · tanh(S[τ σ] / c)",
+     r"C_{\tau \sigma} = c \tanh\left(\frac{S_{\tau \sigma}}{c}\right)"),
+    ("m[τ] = max(x[τ], max_σ(S[τ σ]))",
+     r"m_{\tau} = \max\left(x_{\tau}, \max_{\sigma}\left(S_{\tau \sigma}\right)\right)"),
+    ("T[τ] = sum_σ(exp(S[τ σ] − m[τ]))",
+     r"T_{\tau} = \sum_{\sigma}\left(\exp\left(S_{\tau \sigma} - m_{\tau}\right)\right)"),
+    ("Z[τ b] = (A[τ σ] + B[τ σ]) V[σ b] / √b",
+     r"Z_{\tau b} = \frac{\left(A_{\tau \sigma} + B_{\tau \sigma}\right) V_{\sigma b}}"
+     r"{\sqrt{d_{b}}}"),
+    ("Y[τ] = log(2 · x[τ])", r"Y_{\tau} = \log\left(2 x_{\tau}\right)"),
+]
+
+
+@pytest.mark.parametrize("text, tex", LATEX, ids=[t for t, _ in LATEX])
+def test_latex_renders(text, tex):
+    assert Equation(text).latex() == tex
+
+
+def test_explain_says_what_runs():
+    text = str(Equation(SOFTMAX).explain(S=(n, μ, τ, σ), M=(n, μ, τ, σ)))
+    assert "softmax      softmax_σ(S[n μ τ σ] + M[n μ τ σ]) -> [n μ τ σ]" in text
+    assert "contraction" not in text
+    ex = Equation("Z[τ b] = softmax_σ(Q[τ a] K[σ a] / √a) V[σ b]").explain(
+        Q=(τ, a), K=(σ, a), V=(σ, c_))
+    assert [s.kind for s in ex.stages] == ["contraction", "softmax", "contraction"]
+    assert ex.plans[0].einsum == "ba,ca->bc" and ex.plans[1] is None
+    assert "FLOPs" in str(ex)
+
+
+def test_verify_compares_an_expression_in_float_mode_only():
+    from einattn.verify import check_equivalent
+    report = check_equivalent("C[τ σ] = c · tanh(S[τ σ] / c)",
+                              "C[τ σ] = tanh(S[τ σ] / c) · c", {"τ": τ, "σ": σ})
+    assert report.equal and report.mode == "float"
+    wrong = check_equivalent("C[τ σ] = c · tanh(S[τ σ] / c)", "C[τ σ] = tanh(S[τ σ] / c)",
+                             {"τ": τ, "σ": σ})
+    assert not wrong.equal
+    with pytest.raises(EinattnError, match="is no contraction"):
+        check_equivalent(SOFTMAX, SOFTMAX, {"n": n, "μ": μ, "τ": τ, "σ": σ}, exact=True)
+
+
+def test_a_pure_contraction_stays_a_plain_equation():
+    for text in ("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a", "Y[τ j] = X[τ i] · U[i j]",
+                 "S[τ σ] = Q[τ a] K[σ a] / sqrt(a)"):
+        assert type(Equation(text)) is Equation
+    assert type(Equation(SOFTMAX)) is not Equation and isinstance(Equation(SOFTMAX), Equation)
+
+
+# -- errors: each raise site, with its caret ----------------------------------------------------
+
+def carets(message: str) -> list[int]:
+    line = message.splitlines()[2]
+    return [k - 2 for k, ch in enumerate(line) if ch == "^"]
+
+
+ERRORS = [  # (message template, text, match, carets)
+    ("{}_{} runs along {}, which is no index of its argument {} (its indices: {})",
+     "L[n τ] = logsumexp_σ(S[n τ a])", r"logsumexp_σ runs along 'σ', which is no index of its "
+     r"argument S\[n τ a\] \(its indices: n, τ, a\)", [19]),
+    ("{}_{} runs along {}, which is no index of its argument {} (its indices: {})",
+     "A[τ] = sum_σ(max_σ(S[τ σ]))", r"sum_σ runs along 'σ', which is no index of its "
+     r"argument max_σ\(S\[τ σ\]\) \(its indices: τ\)", [11]),
+    ("unknown function {}: known are {}", "A[τ] = softmx_σ(S[τ σ])",
+     r"unknown function 'softmx_σ': known are softmax_σ", [7]),
+    ("{} needs the index it runs along, as {}_σ(…) (for the elementwise maximum of two, "
+     "max(x, y))", "A[τ σ] = softmax(S[τ σ])", r"softmax needs the index it runs along", [9]),
+    ("{} is elementwise: it takes no index ({}(…), not {}(…))", "A[τ σ] = exp_σ(S[τ σ])",
+     r"exp is elementwise: it takes no index", [13]),
+    ("{} takes {} argument{}, got {}", "A[τ] = max(S[τ], T[τ], U[τ])",
+     r"max takes 2 arguments, got 3", [7]),
+    ("unbalanced parentheses: this '(' is never closed (found {})",
+     "A[τ σ] = softmax_σ(S[τ σ] + M[τ σ]", r"unbalanced parentheses: this '\(' is never closed "
+     r"\(found the end\)", [18, 34]),
+    ("a second / √: a product divides by one square root",
+     "A[τ σ] = exp(Q[τ a] K[σ a] / √a / √a)", r"a second / √", [32]),
+    ("index {} of {} is on neither the left nor a function's axis: only a product sums "
+     "(Einstein's convention), elsewhere write sum_{}(…)", "A[τ] = exp(S[τ σ])",
+     r"index 'σ' of S is on neither the left nor a function's axis", [15]),
+    ("{} repeats an index: a diagonal is a contraction's, write it as a product",
+     "d[i] = exp(M[i i])", r"M repeats an index", [13, 15]),
+    ("output index {} {}", "A[τ σ] = max_σ(S[τ σ])", r"output index 'σ' is reduced away", [4]),
+    ("output index {} {}", "A[τ ρ] = exp(S[τ]) + 1", r"output index 'ρ' is on no tensor", [4]),
+    ("index {} appears twice on the left", "A[τ τ] = exp(S[τ])",
+     r"index 'τ' appears twice on the left", [2, 4]),
+    ("the right side has no tensor: an equation computes from tensors", "A[] = c · 2",
+     r"the right side has no tensor", [6]),
+    ("{} is both the output and an operand", "S[τ] = exp(S[τ])",
+     r"S is both the output and an operand", [0]),
+    ("{} is both a scalar and {}", "A[τ] = c · S[τ] + S", r"S is both a scalar and a tensor",
+     [18]),
+    ("{} is both a scalar and {}", "A[τ] = exp(τ) · S[τ]", r"τ is both a scalar and an index",
+     [11]),
+]
+
+
+@pytest.mark.parametrize("key, text, match, where", ERRORS, ids=[e[2][:40] for e in ERRORS])
+def test_an_error_points_at_its_place(key, text, match, where):
+    with pytest.raises(EinattnError, match=match) as caught:
+        Equation(text)
+    assert str(caught.value).splitlines()[1] == "  " + text
+    assert carets(str(caught.value)) == where
+
+
+def test_call_errors_name_the_scalar_and_the_sizes():
+    eq = Equation("C[τ σ] = c · tanh(S[τ σ] / c)")
+    S = randn(τ, σ)
+    with pytest.raises(EinattnError, match=r"^missing scalar c: give it as a number") as caught:
+        eq(S=S)
+    assert carets(str(caught.value)) == [9, 27]
+    for bad, shown in ((True, "True"), ("2", "str"), (torch.ones(2), r"a tensor of shape \(2,\)")):
+        with pytest.raises(EinattnError, match=rf"^scalar c must be a number or a 0-d tensor, "
+                                               rf"got {shown}$"):
+            eq(S=S, c=bad)
+    with pytest.raises(EinattnError, match=r"index 'σ' has size 3 in M but 7 in S"):
+        Equation(SOFTMAX)(S=randn(1, 1, τ, σ), M=randn(1, 1, τ, 3))
+    with pytest.raises(EinattnError, match=r"M is torch.float32 but S is torch.float64"):
+        Equation(SOFTMAX)(S=randn(1, 1, τ, σ), M=torch.zeros(1, 1, τ, σ))
+
+
+def test_a_product_that_fails_to_parse_keeps_its_own_message():
+    with pytest.raises(EinattnError, match=r"^expected √ or sqrt but found 'a'"):
+        Equation("S[τ σ] = Q[τ a] K[σ a] / a")
+    with pytest.raises(EinattnError, match=r"^unexpected character '&'"):
+        Equation("S[τ σ] = Q[τ a] & K[σ a]")
+
+
+def test_every_raise_site_of_the_expression_language_has_a_case():
+    package = Path(einattn.__file__).parent
+    sites = _raise_sites(package / "_expression.py") | _raise_sites(package / "_expression_run.py")
+    tested = {key for key, *_ in ERRORS} | {"missing scalar {}: give it as a number, {}=2.0",
+                                             "scalar {} must be a number or a 0-d tensor, got {}"}
+    assert sites == tested
+
+
+def test_an_expression_traces_under_torch_compile():
+    eq = Equation("Z[τ b] = softmax_σ(Q[τ a] K[σ a] / √a + M[τ σ]) V[σ b]")
+    Q, K, V = randn(τ, a, seed=1), randn(σ, a, seed=2), randn(σ, c_, seed=3)
+    M = dead_row_mask()[0, 0]
+    compiled = torch.compile(lambda **kw: eq(**kw), fullgraph=True, backend="aot_eager")
+    close(compiled(Q=Q, K=K, V=V, M=M), eq(Q=Q, K=K, V=V, M=M))
+    torch._dynamo.reset()
