@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from . import circuits, cross, functional, layouts, linear, reference, rotary
 from . import gradient_steps as _gradient
 from . import pattern_steps as _pattern
+from . import ring_steps as _ring
 from .cache import KVCache
 from .notation import Equation
 
@@ -397,6 +398,7 @@ def steps(sizes: dict[str, int] | None = None) -> list[Step]:
              inputs={"X": "n τ i", "W": "(μ B a) i", "W_O": "μ a i"}),
         *variation_steps(s),
         *pattern_steps(s),
+        *_numerical(_ring.steps(s)),
         *_gradient.steps(s),
     ]
 
@@ -434,5 +436,12 @@ def mutations(sizes: dict[str, int] | None = None) -> list[Step]:
              "Y[n (a μ)] = T[n μ a]", s, exact=True),
         *variation_mutations(s),
         *pattern_mutations(s),
+        *_numerical(_ring.mutations(s)),
         *_gradient.mutations(s),
     ]
+
+
+def _numerical(rows) -> list[Step]:
+    """Steps checked in float64 from ``(name, lhs, rhs, sizes, inputs)`` rows."""
+    return [Step(name, lhs, rhs, sizes, exact=False, inputs=inputs)
+            for name, lhs, rhs, sizes, inputs in rows]

@@ -7,8 +7,9 @@ the partial result into its own. A partial result over a set of keys is what the
 path keeps per tile (:mod:`einattn.chunked`): the normalised output ``Z`` and the log of
 its softmax denominator ``lse``. Two of them, over disjoint sets of keys, merge exactly::
 
-    lse[n μ τ]   = log(exp(lse₁[n μ τ]) + exp(lse₂[n μ τ]))                        (M1)
-    Z[n μ τ a]   = exp(lse₁ − lse) Z₁[n μ τ a] + exp(lse₂ − lse) Z₂[n μ τ a]        (M2)
+    lse[n μ τ] = log(exp(lse_1[n μ τ]) + exp(lse_2[n μ τ]))                          (M1)
+    Z[n μ τ a] = exp(lse_1[n μ τ] − lse[n μ τ]) · Z_1[n μ τ a]
+               + exp(lse_2[n μ τ] − lse[n μ τ]) · Z_2[n μ τ a]                         (M2)
 
 since ``exp(lse)`` is the sum over both sets of ``exp(S)`` and each ``Z`` is its own set's
 weighted sum divided by its own denominator. A set with no admissible key has
@@ -41,8 +42,12 @@ import torch.distributed as dist
 
 from . import chunked, patterns
 from .errors import EinattnError
+from .notation import Equation
 
 LAYOUTS = ("zigzag", "contiguous")
+MERGE_LSE = Equation("lse[n μ τ] = log(exp(lse_1[n μ τ]) + exp(lse_2[n μ τ]))")  # (M1)
+MERGE_Z = Equation("Z[n μ τ a] = exp(lse_1[n μ τ] − lse[n μ τ]) · Z_1[n μ τ a] "
+                   "+ exp(lse_2[n μ τ] − lse[n μ τ]) · Z_2[n μ τ a]")  # (M2)
 _INF = float("inf")
 
 
@@ -122,20 +127,24 @@ def pairs(q_chunks, k_chunks, c: int, terms: Terms) -> list:
 def merge(Z: torch.Tensor, lse: torch.Tensor, Z_b: torch.Tensor,
           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M1) and (M2): the partial results ``(Z, lse)`` and ``(Z_b, lse_b)`` over two disjoint
-    sets of keys merged into the result over both. A row with ``lse = −∞`` on both sides
-    (no admissible key) stays ``Z = 0``, ``lse = −∞``.
+    sets of keys merged into the result over both::
 
-    >>> S, V = torch.randn(3, 5), torch.randn(5, 2)
-    >>> parts = [(torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)) for s, v in
-    ...          ((S[:, :2], V[:2]), (S[:, 2:], V[2:]))]
-    >>> Z, lse = merge(*parts[0], *parts[1])
+        lse[n μ τ] = log(exp(lse_1[n μ τ]) + exp(lse_2[n μ τ]))
+        Z[n μ τ a] = exp(lse_1[n μ τ] − lse[n μ τ]) · Z_1[n μ τ a] + exp(lse_2[n μ τ] − lse[n μ τ]) · Z_2[n μ τ a]
+
+    (M1) runs as ``torch.logaddexp``, its form that never overflows; :data:`MERGE_Z` runs as
+    written, with ``lse = 0`` on a row that sees no key on either side (``lse = −∞``), whose
+    weights are then ``exp(−∞) = 0``: it stays ``Z = 0``, ``lse = −∞``.
+
+    >>> S, V = torch.randn(1, 1, 3, 5), torch.randn(1, 1, 5, 2)
+    >>> Z_1, Z_2 = (torch.softmax(S[..., k], -1) @ V[..., k, :] for k in (slice(2), slice(2, 5)))
+    >>> Z, lse = merge(Z_1, S[..., :2].logsumexp(-1), Z_2, S[..., 2:].logsumexp(-1))
     >>> torch.allclose(Z, torch.softmax(S, -1) @ V), torch.allclose(lse, S.logsumexp(-1))
     (True, True)
-    """
+    """  # noqa: E501 (the equations as they run, quoted whole)
     lse_new = torch.logaddexp(lse, lse_b)
     safe = lse_new.masked_fill(lse_new == -_INF, 0.0)  # exp(−∞ − 0) = 0 for an empty row
-    return (torch.exp(lse - safe)[..., None] * Z
-            + torch.exp(lse_b - safe)[..., None] * Z_b), lse_new
+    return MERGE_Z(lse_1=lse, Z_1=Z, lse_2=lse_b, Z_2=Z_b, lse=safe), lse_new
 
 
 class Ring:

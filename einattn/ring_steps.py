@@ -27,7 +27,7 @@ def ring_sizes(s: dict[str, int]) -> dict[str, int]:
     return {**s, "τ": 8, "σ": 8}
 
 
-def textbook(Q, K, V, *, causal: bool = False):
+def _softmax_attention(Q, K, V, causal: bool):
     """``softmax_σ(Q Kᵀ / √a + M) V``, with ``M`` the causal mask where asked."""
     S = Q @ K.mT / math.sqrt(Q.shape[-1])
     if causal:
@@ -35,8 +35,14 @@ def textbook(Q, K, V, *, causal: bool = False):
     return torch.softmax(S, dim=-1) @ V
 
 
+def textbook(Q, K, V):
+    """``softmax_σ(Q Kᵀ / √a) V`` over all keys."""
+    return _softmax_attention(Q, K, V, causal=False)
+
+
 def causal_textbook(Q, K, V):
-    return textbook(Q, K, V, causal=True)
+    """``softmax_σ(Q Kᵀ / √a + M) V`` with the causal mask ``M``."""
+    return _softmax_attention(Q, K, V, causal=True)
 
 
 _WHOLE = ring.Terms().at(0)  # no pattern: every key of the set
@@ -47,8 +53,12 @@ def _partial(Q, K, V, keys: slice, pattern=_WHOLE):
     return chunked._forward(Q, K[:, :, keys], V[:, :, keys], None, pattern, BLOCK)
 
 
-def merged_halves(Q, K, V, combine=ring.merge):
+def merged_halves(Q, K, V):
     """Two halves of the keys, each attended alone, merged by (M1)–(M2)."""
+    return _halves(Q, K, V, ring.merge)
+
+
+def _halves(Q, K, V, combine):
     h = K.shape[2] // 2
     return combine(*_partial(Q, K, V, slice(0, h)), *_partial(Q, K, V, slice(h, None)))[0]
 
@@ -107,9 +117,9 @@ def mutations(s: dict[str, int]) -> list[tuple]:
     """``(name, lhs, rhs, sizes, inputs)`` of plausible wrong steps of the ring."""
     r = ring_sizes(s)
     return [
-        ("merge by averaging the halves", lambda Q, K, V: merged_halves(Q, K, V, averaged),
+        ("merge by averaging the halves", lambda Q, K, V: _halves(Q, K, V, averaged),
          textbook, s, QKV),
-        ("merge by the larger log-sum-exp", lambda Q, K, V: merged_halves(Q, K, V, by_max),
+        ("merge by the larger log-sum-exp", lambda Q, K, V: _halves(Q, K, V, by_max),
          textbook, s, QKV),
         ("zigzag chunks ordered by rank, not by position",
          lambda Q, K, V: on_the_ring(Q, K, V, order=by_rank), causal_textbook, r, QKV),

@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-from einattn import EinattnError, Equation, derivation, gradient_steps, pattern_steps
+from einattn import EinattnError, Equation, derivation, gradient_steps, pattern_steps, ring_steps
 from einattn.derivation import Step, default_sizes, mutations, steps
 from einattn.masks import alibi_slopes
 from einattn.verify import assert_equivalent, check_equivalent
@@ -51,6 +51,8 @@ STEP_TOPICS = [
     "ALiBi −m_μ|τ' − σ| = BLOOM's +m_μ·σ under causal (a per-row shift)",
     "documents = a block-diagonal mask",
     "packed documents, causal = each document alone, concatenated",
+    "log-sum-exp merge (M1)–(M2) of two halves of the keys = softmax over all",
+    "ring attention, zigzag chunks pair by pair, causal = causal attention",
     "backward VALUE_GRADS dV_b = Pᵀ dZ_t is d/dV_b of Z_t = P V_b",
     "backward PROB_GRADS dP = dZ_t V_bᵀ is d/dP of Z_t = P V_b",
     "backward QUERY_GRADS dQ_t = dS K_b / √a is d/dQ_t of (2g)",
@@ -64,6 +66,7 @@ MUTATION_TOPICS = ["K and V swapped in W_KV", "swapped indices", "missing 1/√a
                    "tiled GQA heads", "strict prefix", "window off by one",
                    "window aligned top-left", "softcap after B and M",
                    "softcap before the 1/√a scale", "sink counted in", "sign flipped",
+                   "merge by averaging", "merge by the larger", "zigzag chunks ordered by rank",
                    "reverse head order", "documents without their ids",
                    "query heads read (r g)", "without its 1/√a", "no row sum",
                    "sum over queries τ", "D outside the product"]
@@ -161,13 +164,18 @@ def test_steps_use_the_sizes_they_are_given(label):
     """The derivation's own steps use the sizes as given (σ = τ for self-attention); the
     variations' steps add their indices (g, r, C, c) and keep n, τ and i; the patterns'
     keep every size but take one query fewer at self-attention sizes (τ' ≠ τ); the
-    backward's run at gradient_sizes, six sizes that all differ."""
+    backward's run at gradient_sizes, six sizes that all differ; the ring's schedule at 8
+    positions."""
     sizes = SIZES[label]
     variations = derivation.variation_steps(sizes) + derivation.variation_mutations(sizes)
     patterns = derivation.pattern_steps(sizes) + derivation.pattern_mutations(sizes)
     backward = gradient_steps.steps(sizes) + gradient_steps.mutations(sizes)
+    on_the_ring = {"ring attention, zigzag chunks pair by pair, causal = causal attention",
+                   "zigzag chunks ordered by rank, not by position"}
     for step in steps(sizes) + mutations(sizes):
-        if step.name in {b.name for b in backward}:
+        if step.name in on_the_ring:  # 8 positions: 2 ranks × 2 zigzag chunks of 2
+            assert step.sizes == ring_steps.ring_sizes(sizes), step.name
+        elif step.name in {b.name for b in backward}:
             assert step.sizes == gradient_steps.gradient_sizes(sizes), step.name
             assert len(set(step.sizes.values())) == 6, step.name
         elif step.name in {v.name for v in variations}:

@@ -36,6 +36,8 @@ VARIATIONS = [
     ("R0", "rotary", "ANGLES", "rotations"),
     ("R1", "rotary", "ROTATE_HALF", "rotate"),
     ("R2", "rotary", "ROTATE_INTERLEAVED", "rotate"),
+    ("M1", "ring", "MERGE_LSE", "merge"),  # the merge of partial results (ring, chunked)
+    ("M2", "ring", "MERGE_Z", "merge"),
     ("L1", "linear", "NUMERATOR", "numerator"),
     ("L2", "linear", "NORMALISER", "normaliser"),
     ("C1", "circuits", "QK_CIRCUIT", "qk_circuit"),

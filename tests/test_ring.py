@@ -223,20 +223,27 @@ def test_every_raise_site_of_sequence_parallelism_is_reached(ranks):
 # -- in this process ------------------------------------------------------------------------
 
 def test_merge_equals_the_softmax_over_both_sets_of_keys():
-    """(M1)–(M2) on rows that see keys in one set, in both, or in neither."""
-    S, V = randn(4, 9, seed=7), randn(9, 5, seed=8)
-    S[1, :4] = -torch.inf  # row 1: keys of the second set only
-    S[2] = -torch.inf      # row 2: no key at all
+    """(M1)–(M2) on rows that see keys in one set, in both, or in neither; on rows with a
+    key, ``merge`` is MERGE_LSE and MERGE_Z as written."""
+    S, V = randn(2, 3, 4, 9, seed=7), randn(2, 3, 9, 5, seed=8)
+    S[0, 1, 1, :4] = -torch.inf  # keys of the second set only
+    S[1, 2, 2] = -torch.inf      # no key at all
     parts = []
     for keys in (slice(0, 4), slice(4, 9)):
-        lse = S[:, keys].logsumexp(-1)
-        Z = torch.softmax(S[:, keys], -1).nan_to_num(0.0) @ V[keys]
+        lse = S[..., keys].logsumexp(-1)
+        Z = torch.softmax(S[..., keys], -1).nan_to_num(0.0) @ V[..., keys, :]
         parts.append((Z, lse))
     Z, lse = ring.merge(*parts[0], *parts[1])
     A = torch.softmax(S, -1).nan_to_num(0.0)
     torch.testing.assert_close(Z, A @ V, rtol=0, atol=1e-15)
     torch.testing.assert_close(lse, S.logsumexp(-1), rtol=0, atol=1e-15)
-    assert Z[2].eq(0).all() and lse[2] == -torch.inf
+    assert Z[1, 2, 2].eq(0).all() and lse[1, 2, 2] == -torch.inf
+    (Z_1, lse_1), (Z_2, lse_2) = parts
+    lse_1, lse_2 = lse_1.clamp(min=-30.0), lse_2.clamp(min=-30.0)  # every row sees a key
+    Z, lse = ring.merge(Z_1, lse_1, Z_2, lse_2)
+    torch.testing.assert_close(lse, ring.MERGE_LSE(lse_1=lse_1, lse_2=lse_2), rtol=0, atol=1e-12)
+    torch.testing.assert_close(Z, ring.MERGE_Z(lse_1=lse_1, Z_1=Z_1, lse_2=lse_2, Z_2=Z_2, lse=lse),
+                               rtol=0, atol=1e-12)
 
 
 def causal_tiles(R: int, layout: str, L: int, block_size: int) -> list[int]:
