@@ -25,7 +25,8 @@ docs/chunked.md.
 
 A query row with no admissible key keeps ``m = −∞`` and ``l = 0``: its ``Z`` is exact
 zeros and its ``lse`` is ``−∞`` (an empty sum), which the backward pass reads as ``+∞``
-(:func:`for_backward`), so that it recomputes ``P = 0`` there. No finite sentinel stands in for ``−∞``.
+(:func:`for_backward`), so that it recomputes ``P = 0`` there. No finite sentinel stands in
+for ``−∞``.
 
 Every tile runs in at least float32 (:func:`_accumulator`): float16 and bfloat16 inputs
 are widened once, so that ``S − lse`` and ``dP − D`` are formed in the precision the
@@ -41,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as _F
 
 from . import _autocast, _softmax
 from . import functional as _functional  # not `from .functional import`: paths imports us
@@ -49,8 +51,9 @@ from . import patterns as _patterns
 from .errors import EinattnError
 from .notation import Equation
 
-# Forward, per tile: functional.SCORES_GQA, S = Q_t K_b / √a, and functional.VALUES_GQA,
-# O += P V_b, the equations (2g) and (4g) themselves. Backward, per tile:
+# Forward, per tile: functional.attention_scores, S = Q_t K_b / √a, and
+# functional.weighted_values, O += P V_b, the equations (2g) and (4g) themselves ((2) and (4)
+# where g = μ). Backward, per tile:
 VALUE_GRADS = Equation("dV_b[n g σ a] = P[n (g r) τ σ] dZ_t[n (g r) τ a]")
 PROB_GRADS = Equation("dP[n (g r) τ σ] = dZ_t[n (g r) τ a] V_b[n g σ a]")
 QUERY_GRADS = Equation("dQ_t[n (g r) τ a] = dS[n (g r) τ σ] K_b[n g σ a] / √a")
@@ -83,7 +86,6 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     """
     check_block_size(block_size)
     _functional.check_qkv(Q, K, V)
-    Q, K, V = _cast_for_autocast(Q, K, V)
     n, n_heads, L_q, _ = Q.shape
     if pattern is None:
         pattern = _patterns.build(n=n, n_heads=n_heads, L_q=L_q, L_k=K.shape[2],
@@ -91,11 +93,31 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     if mask is not None:
         mask = _masks.as_nmts(mask, name="mask", n=n, n_heads=n_heads, L_q=L_q,
                               L_k=K.shape[2], dtype=Q.dtype, device=Q.device)
+    return attend(Q, K, V, mask, pattern, block_size)
+
+
+def attend(Q, K, V, mask, pattern: _patterns.Pattern, block_size: int) -> torch.Tensor:
+    """:func:`attention` once its arguments are known good (``mask`` as ``as_nmts`` makes
+    it), as :mod:`einattn.paths` calls it. Without a graph to record (``no_grad``, a
+    decoding step) the forward runs alone, outside the ``autograd.Function``; autocast is
+    switched off around the tiles only where it is on (the switch costs ~15 µs a call)."""
+    low = _autocast.dtype(Q.device)
+    if low is not None:  # Q, K, V in autocast's dtype, as SDPA is cast there
+        Q, K, V = Q.to(low), K.to(low), V.to(low)
     if _softmax.transformed():  # no vmap or jvp rule for the Function below
         return _dense(Q, K, V, mask, pattern)
-    with torch.autocast(Q.device.type, enabled=False):
-        return _Attention.apply(Q, K, V, mask, pattern.sinks, pattern,
-                                _tile_side(pattern, block_size))
+    if low is None:
+        return _run(Q, K, V, mask, pattern, _tile_side(pattern, block_size))
+    with torch.autocast(Q.device.type, enabled=False):  # the same numbers forward, backward
+        return _run(Q, K, V, mask, pattern, _tile_side(pattern, block_size))
+
+
+def _run(Q, K, V, mask, pattern, block_size: int) -> torch.Tensor:
+    """Z by the ``autograd.Function`` where autograd records the call, else the forward."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (Q, K, V, mask, pattern.sinks)):
+        return _Attention.apply(Q, K, V, mask, pattern.sinks, pattern, block_size)
+    return _forward(Q, K, V, mask, pattern, block_size)[0]
 
 
 def _tile_side(pattern, block_size: int) -> int:
@@ -108,15 +130,6 @@ def _tile_side(pattern, block_size: int) -> int:
     if not windows:
         return block_size
     return min(block_size, max(64, min(windows) // 2))
-
-
-def _cast_for_autocast(Q, K, V):
-    """Q, K, V in autocast's dtype where autocast is on (as SDPA is cast there), so that
-    the tiles see the same numbers forward and backward."""
-    low = _autocast.dtype(Q.device)
-    if low is None:
-        return Q, K, V
-    return Q.to(low), K.to(low), V.to(low)
 
 
 def _dense(Q, K, V, mask, pattern) -> torch.Tensor:
@@ -175,7 +188,7 @@ def _tile_logits(Q, K, mask, pattern, at, tile, acc) -> tuple[torch.Tensor, torc
     """One tile's ``S[n μ τ σ]`` and its logits ``cap(S) + B + M`` (−∞ where masked)."""
     t0, t1, s0, s1, partial = tile
     tau, sigma = slice(t0, t1), slice(s0, s1)
-    S = _functional.SCORES_GQA(Q=Q[:, :, tau], K=K[:, :, sigma]).to(acc)  # a new tensor:
+    S = _functional.attention_scores(Q[:, :, tau], K[:, :, sigma]).to(acc)  # a new tensor:
     here = None if at is None else at.tile(tau, sigma)
     logits = pattern.scored(S, here) if pattern.scores else S  # masked in place below
     if mask is not None:
@@ -223,6 +236,17 @@ def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
 
 
 def _forward(Q, K, V, mask, pattern, block_size: int):
+    """``(Z, lse)``: over the split keys for a few queries whose keys fit one wide tile
+    (a decoding step), over the tiles otherwise."""
+    L_q = Q.shape[2]
+    if 0 < L_q <= SPLIT_QUERIES:
+        reach = _reach(pattern, L_q, K.shape[2])
+        if L_q * (reach[1] - reach[0]) <= SPAN * block_size * block_size:
+            return _split_forward(Q, K, V, mask, pattern, block_size, reach)
+    return _tiled_forward(Q, K, V, mask, pattern, block_size)
+
+
+def _tiled_forward(Q, K, V, mask, pattern, block_size: int):
     n, n_heads, L_q, _ = Q.shape
     acc = _accumulator(Q.dtype)
     out_dtype, (Q, K, V) = Q.dtype, (t.to(acc) for t in (Q, K, V))  # tiles in ≥ float32
@@ -242,12 +266,72 @@ def _forward(Q, K, V, mask, pattern, block_size: int):
         P = S.sub_(m_safe[..., None]).exp_()  # in place: S is not needed again
         rescale = torch.exp(m_old - m_safe)
         l[:, :, tau].mul_(rescale).add_(P.sum(dim=-1))  # the running statistics, in place
-        PV = _functional.VALUES_GQA(A=P, V=V[:, :, sigma])
+        PV = _functional.weighted_values(P, V[:, :, sigma])
         O[:, :, tau].mul_(rescale[..., None]).add_(PV)
         m[:, :, tau] = m_new
     dead = l == 0  # no admissible key (or L_k = 0), no sink: Z = 0, lse = m + log 0 = −∞
     Z = O.div_(l.masked_fill(dead, 1.0)[..., None]).to(out_dtype)  # in O's memory
     return Z, m + torch.log(l)
+
+
+# -- a few queries: split keys (flash-decoding) ----------------------------------------------
+#
+# A decoding step has one query (a few, speculating) and many keys. The keys [σ0, σ1) its
+# pattern leaves are cut into blocks b of block_size, each block's log-sum-exp is taken as a
+# tile's statistics are, for every block at once, and the blocks are merged by their
+# log-sum-exp; no Python loop runs over the keys. The blocks' partial outputs are not formed
+# one by one: Σ_b exp(lse_b − lse) Z_b = exp(S − lse) V is one product over every block's
+# values, equation (4g), where a batched product per block would copy K and V out of a
+# cache's storage (its batch axes n, g, b share no one stride): 8 MiB a step at context
+# 4096. On a CPU each torch call costs ~5 µs here, so the path is few calls: the two
+# log-sum-exps are one call each, which also take each block's max.
+SPLIT_QUERIES = 8  # at most this many queries take the split keys
+
+
+def _split_forward(Q, K, V, mask, pattern, block_size: int, reach):
+    """``(Z, lse)`` over the keys of ``reach``, ``σ = (b σ')`` cut into blocks ``b``::
+
+        S[n (g r) τ σ] = Q[n (g r) τ a] K[n g σ a] / √a    (then cap(S) + B + M)
+        lse_b[n μ τ b] = log Σ_σ' exp S[n μ τ (b σ')]      (each block, as a tile from m = −∞)
+        lse[n μ τ]     = log Σ_b exp lse_b[n μ τ b]        (a sink: one more lse_b = s_μ)
+        Z[n (g r) τ a] = A[n (g r) τ σ] V[n g σ a],        A = exp(S − lse)
+
+    A row with no admissible key has ``lse = −∞`` and ``Z = 0``."""
+    (n, n_heads, L_q, _), (s0, s1, partial) = Q.shape, reach
+    acc = _accumulator(Q.dtype)
+    out_dtype, (Q, K, V) = Q.dtype, (t.to(acc) for t in (Q, K, V))
+    lse_b = [] if pattern.sinks is None else \
+        [pattern.sinks.to(acc)[:, None, None].expand(n, n_heads, L_q, 1)]
+    if s1 <= s0:  # no admissible key: Z = 0, lse = −∞ (or the sink's s_μ)
+        lse = lse_b[0][..., 0] if lse_b else Q.new_full((n, n_heads, L_q), -_INF)
+        return Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=out_dtype), lse
+    _, S = _tile_logits(Q, K, mask, pattern, _grid(Q, K, pattern), (0, L_q, s0, s1, partial),
+                        acc)
+    short = -(s1 - s0) % block_size  # the last block, filled up with −∞ (no key)
+    blocks = _F.pad(S, (0, short), value=-_INF) if short else S
+    lse_b.insert(0, torch.logsumexp(blocks.unflatten(-1, (-1, block_size)), dim=-1))
+    lse = torch.logsumexp(torch.cat(lse_b, dim=3) if len(lse_b) > 1 else lse_b[0], dim=-1)
+    dead = mask is not None or partial  # where no row can lack a key, lse is finite
+    A = S.sub_((for_backward(lse) if dead else lse)[..., None]).exp_()  # 0 in a dead row
+    return _functional.weighted_values(A, V[:, :, s0:s1]).to(out_dtype), lse
+
+
+def _reach(pattern, L_q: int, L_k: int) -> tuple[int, int, bool]:
+    """The keys ``[σ0, σ1)`` that some of the ``L_q`` queries may see (a window's band),
+    and whether the mask pieces must be evaluated there (``False``: every key is seen)."""
+    s0, s1 = 0, L_k
+    for piece in pattern.masks:
+        if hasattr(piece, "keys"):
+            lo, hi = piece.keys(0, L_q - 1)
+            s0, s1 = max(s0, lo), min(s1, hi + 1)
+    partial = False
+    for piece in pattern.masks:
+        some, every = (False, False) if s1 <= s0 else \
+            piece.judge(max(L_q, L_k))(0, L_q - 1, s0, s1 - 1)
+        if not some:
+            return s0, s0, False
+        partial = partial or not every
+    return s0, max(s0, s1), partial
 
 
 def for_backward(lse: torch.Tensor) -> torch.Tensor:

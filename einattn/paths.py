@@ -83,7 +83,7 @@ def _stages(impl: str, Q, K, V, M, pattern, dropout: float, block_size: int,
                            f"tensor requires grad (learned slopes): use impl='einsum' or "
                            f"'sdpa', whose slopes get their gradient")
     if impl == "chunked":
-        return {"Z": chunked.attention(Q, K, V, mask=M, pattern=pattern, block_size=block_size)}
+        return {"Z": chunked.attend(Q, K, V, M, pattern, block_size)}  # checked: no second time
     return {"Z": flex.attention(Q, K, V, M, pattern)}
 
 

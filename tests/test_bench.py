@@ -44,7 +44,7 @@ def positive(x) -> bool:
 
 def test_quick_json_times_every_form_in_both_modes(quick):
     assert set(quick) == {"machine", "settings", "paths", "skipped", "timings", "compile",
-                          "memory", "patterns", "targets", "seconds"}
+                          "memory", "patterns", "decoding", "targets", "seconds"}
     assert set(quick["paths"]) == set(bench.PATHS)
     assert set(quick["skipped"]) <= {"chunked"}  # only the form still being written
     assert all(quick["skipped"].values())  # a skip says why
@@ -337,6 +337,7 @@ def test_section_chooses_what_runs(section, ran, not_ran):
         assert all(t["target"] in PATTERN_TARGETS for t in doc["targets"])
     else:
         assert doc["patterns"] == {"skipped": "--section layer"}
+        assert doc["decoding"] == {"skipped": "--section layer"}
         assert not any(t["target"] in PATTERN_TARGETS for t in doc["targets"])
     status, out, _ = einattn(*argv)
     assert status == 0 and ran in out and not_ran not in out
@@ -365,8 +366,64 @@ def test_sections_and_pattern_sizes_in_settings():
     assert patterns.pattern_memory_lengths == (8192,) and patterns.why_no_flex == ""
     layer = bench.Settings.build(sections=("layer",))
     assert layer.sizes == bench.SIZES and layer.pattern_sizes == layer.pattern_memory_lengths == ()
-    with pytest.raises(EinattnError, match="section must be one of 'layer', 'patterns', got 'x'"):
+    with pytest.raises(EinattnError, match="section must be one of 'layer', 'patterns', "
+                                           "'decoding', got 'x'"):
         bench.Settings.build(sections=("x",))
+
+
+# -- the decoding section: a prefill, then one token at a time --------------------------------
+
+def test_quick_json_times_every_decoding_form(quick):
+    """The quick run's decoding section: every form per token, ratios of medians against
+    both hand-written loops and einattn sdpa, each first step's Y that of the cat form, and
+    the bytes each cache holds (the cat form's exactly its keys and values, the
+    preallocated one's every slot, einattn's storage at least as much as the cat form's)."""
+    section = quick["decoding"]
+    assert set(section) == {"paths", "slack", "timings"}
+    (row,) = section["timings"]
+    size = bench.QUICK_DECODING_SIZES[0]
+    assert row["size"] == size.as_json() and row["mode"] == "per token, no_grad"
+    assert set(row["paths"]) == set(bench.DECODING_FORMS)
+    paths = row["paths"]
+    for name, t in paths.items():
+        for key, base in (("vs_hand_cat", "hand_cat"), ("vs_hand_prealloc", "hand_prealloc"),
+                          ("vs_einattn_sdpa", "sdpa")):
+            assert t[key] == pytest.approx(t["median_s"] / paths[base]["median_s"], rel=1e-12)
+        assert positive(t["median_s"]) and t["max_deviation"] < 1e-5, name
+    per_position = 2 * size.n * size.d_model * 4  # K and V, float32
+    cat = paths["hand_cat"]["cache_bytes"]
+    assert cat % per_position == 0 and size.context < cat // per_position \
+        <= size.context + section["slack"]
+    assert paths["hand_prealloc"]["cache_bytes"] == (size.context + section["slack"]) \
+        * per_position
+    assert all(paths[name]["cache_bytes"] >= cat for name in bench.EINATTN)
+
+
+def test_quick_text_has_the_decoding_section(quick):
+    status, out, err = einattn(*QUICK, "--section", "decoding")
+    assert status == 0 and "einattn bench: decoding at (1, 32, 4) context 24" in err
+    assert "(1, 32, 4) context 24  n=1 i=32 μ=4 τ=1 σ≈24" in out
+    assert all(name in out for name in bench.DECODING_NAMES.values())
+    assert "textbook (reshape)" not in out and "attention patterns" not in out
+
+
+def test_every_decoding_form_decodes_the_same_tokens():
+    """In float64, 40 steps of every form (each cache cropped back to the prompt every
+    SLACK tokens) give the same Y, token by token: the ratios compare like with like."""
+    size = bench.DecodingSize(2, 30, 5, 13)
+    x = reference_inputs(size)
+    forms = bench.decoding_forms(size, x)
+    steps = {name: torch.cat([form() for _ in range(40)], 1) for name, form in forms.items()}
+    for Y in steps.values():
+        assert_close_scaled(Y, steps["hand_cat"], TOL[torch.float64])
+    assert steps["hand_cat"].shape == (2, 40, 30)
+    assert len(forms["sdpa"].cache) == 13 + 40 % bench.decoding.SLACK
+
+
+def reference_inputs(size) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(size.n, size.context + bench.decoding.SLACK, size.d_model, generator=g,
+                       dtype=torch.float64)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -476,9 +533,12 @@ def test_a_form_left_out_is_noted_at_its_targets():
         assert (found[target].verdict, found[target].note) == ("SKIP", "--no-compile")
 
 
-def test_pattern_memory_sees_the_gradients():
+def test_pattern_memory_sees_the_gradients(monkeypatch):
     """One subprocess: chunked's forward+backward with the window at L=2048, 4 heads of 64
-    channels, makes dQ, dK and dV, 2 MiB each, so the measured growth is at least that."""
+    channels, makes dQ, dK and dV, 2 MiB each, so the measured growth is at least that.
+    glibc returns every freed buffer of 64 KiB or more at once (MALLOC_MMAP_THRESHOLD_), so
+    that the resident set follows the live tensors, not what the allocator kept."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the subprocess reads it
     row = bench.measure_pattern_memory(bench.PatternSize(1, 4, 64, 64, 128), 2048, ("chunked",))
     assert row.errors == {} and set(row.growth) == {"chunked"}
     assert row.growth["chunked"] >= 3 * 4 * 2048 * 64 * 4

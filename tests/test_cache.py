@@ -228,18 +228,20 @@ def _kv(L: int, seed: int):
 
 
 def test_appends_write_in_place_and_leave_earlier_views_as_they_were():
-    """Under no_grad each call writes only its new positions into storage that doubles when
-    full: 8 calls make 3 storages, each view handed out keeps its contents, and the cache
+    """Under no_grad each call writes only its new positions into storage that grows by a
+    quarter (at least HEADROOM positions) when full: 5 + 16 positions, then 41 + 16 (past
+    21), then 61 + 16 (past 57); each view handed out keeps its contents, and the cache
     equals one torch.cat of every call's keys and values."""
     cache, handed, pieces, storages = KVCache(), [], [], set()
     with torch.no_grad():
-        for step, L_new in enumerate([5, 1, 1, 1, 1, 1, 3, 9]):
+        for step, L_new in enumerate([5, 1, 1, 1, 1, 1, 3, 28, 20, 1]):
             K_new, V_new = _kv(L_new, seed=10 * step)
             pieces.append((K_new, V_new))
             K, V, _ = cache.append(K_new, V_new)
             handed.append((K, V, K.clone(), V.clone()))
             storages.add(K.untyped_storage().data_ptr())
-    assert len(cache) == 22 and len(storages) == 3
+    assert len(cache) == 62 and len(storages) == 3
+    assert cache._storage[0].shape == (N, 2, 77, 4) == cache._storage[1].shape
     for K, V, K_then, V_then in handed:
         assert torch.equal(K, K_then) and torch.equal(V, V_then)
     assert torch.equal(cache.K, torch.cat([k for k, _ in pieces], 2))
@@ -303,3 +305,54 @@ def test_keys_that_need_a_gradient_are_concatenated_not_written():
     g, = torch.autograd.grad(Y.sum(), x)
     g_ref, = torch.autograd.grad(layer(x).sum(), x)
     assert_close_scaled(g, g_ref, TOL[F64])
+
+
+def test_a_compiled_decode_step_with_a_preallocated_cache_equals_eager():
+    """torch.compile(layer, fullgraph=True) over a prefill and 6 one-token steps into
+    KVCache(max_length=16) (GQA, RoPE): equal to eager in float64, the storage made once and
+    written in place, and no step compiles again after the second (torch.compile's automatic
+    dynamic shapes: the first step's graph has the cached length σ as a constant, the
+    second's as a symbol)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    layer = _layer("half", 2, "einsum").eval()
+    x = randn(N, 11, D, seed=15)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(layer, fullgraph=True, backend=counter)
+    eager, compiled = KVCache(max_length=16), KVCache(max_length=16)
+    with torch.no_grad():
+        want = [layer(x[:, :5], cache=eager)] + [layer(x[:, t:t + 1], cache=eager)
+                                                for t in range(5, 11)]
+        got = [step(x[:, :5], cache=compiled)] + [step(x[:, t:t + 1], cache=compiled)
+                                                  for t in (5, 6)]
+        storage, graphs = compiled._storage[0].data_ptr(), counter.frame_count
+        got += [step(x[:, t:t + 1], cache=compiled) for t in range(7, 11)]
+    assert counter.frame_count == graphs == 3 and len(compiled) == 11
+    assert compiled.K.data_ptr() == storage == compiled._storage[0].data_ptr()
+    assert_close_scaled(torch.cat(got, 1), torch.cat(want, 1), TOL[F64])
+    torch._dynamo.reset()
+
+
+def test_crop_drops_the_last_positions_and_decoding_goes_on_from_there():
+    """A cache cropped back to 6 positions (two rejected tokens) continues as if they had
+    never been appended; cropping to 0 resets it; a length out of range is refused."""
+    layer = _layer("half", 2, "sdpa")
+    x, wrong = randn(N, L, D, seed=16), randn(N, 2, D, seed=17)
+    cache = KVCache()
+    padding = torch.zeros(N, 6, dtype=torch.bool)
+    padding[1, 2] = True
+    with torch.no_grad():
+        layer(x[:, :6], cache=cache, key_padding_mask=padding)
+        layer(wrong, cache=cache)
+        cache.crop(6)
+        assert len(cache) == 6 and torch.equal(cache.padding, padding)
+        rest = layer(x[:, 6:], cache=cache)
+        want = layer(x, key_padding_mask=torch.cat([padding, torch.zeros(N, 5).bool()], 1))
+    assert_close_scaled(rest, want[:, 6:], TOL[F64])
+    for bad in (-1, 12, 2.0, True):
+        with pytest.raises(EinattnError, match=rf"crop keeps 0 to 11 cached positions σ, "
+                                               rf"got {bad!r}"):
+            cache.crop(bad)
+    cache.crop(0)
+    assert len(cache) == 0 and cache.K is None and cache.padding is None

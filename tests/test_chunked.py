@@ -185,6 +185,60 @@ def test_grouped_query_layer_equals_the_einsum_path(context):
         assert_close_scaled(got, want, TOL[F64])
 
 
+# -- a few queries: split keys (decoding) ----------------------------------------------------
+
+
+def tiles_refused(*args):
+    raise AssertionError("a few queries whose keys fit one wide tile ran the tile loop")
+
+
+@pytest.mark.parametrize("kind", [None, "bool nμτσ", "float n11σ", "bool 11τσ"], ids=str)
+@pytest.mark.parametrize("L_q, L_k, block_size", [(1, 37, 8), (3, 37, 8), (8, 24, 8),
+                                                  (1, 37, 64), (2, 5, 3)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split_keys_equal_the_einsum_path(kind, L_q, L_k, block_size, causal, monkeypatch):
+    """Up to SPLIT_QUERIES queries take the split keys (blocks of block_size, the last one
+    short or the only one), never the tile loop: Z and every gradient equal equations
+    (2)–(4) as written (the backward recomputes over tiles from the split forward's lse)."""
+    monkeypatch.setattr(chunked, "_tiled_forward", tiles_refused)
+    Q, K, V = qkv(L_q, L_k)
+    compare(Q, K, V, mask=make_mask(kind, L_q, L_k), causal=causal, block_size=block_size,
+            tol=TOL[F64])
+
+
+PATTERNS = {"window": dict(window=5), "softcap": dict(softcap=1.5), "alibi": dict(alibi=True),
+            "sinks": dict(sinks=torch.tensor([0.3, -1.0, float("-inf")], dtype=F64)),
+            "documents": dict(document_ids=torch.tensor([[0] * 20 + [1] * 17] * N))}
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+@pytest.mark.parametrize("L_q", [1, 4])
+def test_split_keys_take_every_pattern(name, L_q, monkeypatch):
+    """Causal with each term of equation (3): a window's band alone is read (its reach), a
+    sink is one more block, documents and ALiBi are evaluated over the reach."""
+    from einattn import patterns
+
+    Q, K, V = qkv(L_q, 37, requires_grad=False)
+    pattern = patterns.build(n=N, n_heads=MU, L_q=L_q, L_k=37, dtype=F64, device="cpu",
+                             causal=True, **PATTERNS[name])
+    want = chunked._dense(Q, K, V, None, pattern)
+    monkeypatch.setattr(chunked, "_tiled_forward", tiles_refused)
+    got, lse = chunked._forward(Q, K, V, None, pattern, 8)
+    assert_close_scaled(got, want, TOL[F64])
+    assert torch.isfinite(lse).all()
+
+
+def test_split_keys_of_a_row_with_no_key_give_zeros_and_minus_infinity():
+    Q, K, V = qkv(2, 11, requires_grad=False)
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[1] = False
+    Z, lse = chunked._forward(Q, K, V, masks.as_nmts(mask, name="mask", n=N, n_heads=MU,
+                                                      L_q=2, L_k=11, dtype=F64),
+                              chunked._patterns.Pattern(), 4)
+    assert torch.equal(Z[:, :, 1], torch.zeros_like(Z[:, :, 1]))
+    assert (lse[:, :, 1] == float("-inf")).all() and torch.isfinite(lse[:, :, 0]).all()
+
+
 # -- fully masked rows: exact zeros, zero and finite gradients --------------------------
 
 

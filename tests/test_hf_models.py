@@ -109,6 +109,40 @@ def test_greedy_generate_picks_the_same_tokens(name):
             assert torch.equal(tokens[b, ids.shape[1]:], alone[b]), (impl, b)
 
 
+def _decode_with(model, cache, steps: int = 4) -> torch.Tensor:
+    """Greedy decoding by hand through ``cache``, as ``generate`` runs it (positions from the
+    left-padded mask): the float64 logits of the prefill's last token and of every step."""
+    ids, mask, positions = _batch()
+    logits = []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            out = model(ids, attention_mask=mask, position_ids=positions, cache=cache,
+                        use_cache=True)
+            logits.append(out.logits[:, -1])
+            ids, positions = logits[-1].argmax(-1, keepdim=True), positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return torch.stack(logits, dim=1)
+
+
+CACHES = {"dynamic": lambda model: transformers.DynamicCache(config=model.config),
+          "static": lambda model: transformers.StaticCache(config=model.config, max_cache_len=16)}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("name", sorted(HF_SDPA))
+def test_decoding_through_hfs_caches_equals_hfs_sdpa(name, cache):
+    """A left-padded batch decoded step by step through Hugging Face's own caches, the
+    DynamicCache (which concatenates) and the StaticCache (written in place, its empty slots
+    hidden by HF's mask): every einattn implementation's float64 logits equal HF's sdpa's."""
+    model, _ = _model(name)
+    want = _decode_with(model, CACHES[cache](model))
+    for impl in ("einattn", "einattn_sdpa", "einattn_chunked"):
+        model.set_attn_implementation(impl)
+        got = _decode_with(model, CACHES[cache](model))
+        assert (got - want).abs().max() <= 1e-12 * want.abs().max(), impl
+    assert torch.isfinite(want).all()
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_output_attentions_and_capture_give_eagers_weights(name):
     model, _ = _model(name)

@@ -2,10 +2,11 @@
 causal sliding window against SDPA with a dense mask and compiled FlexAttention.
 
     einattn bench [--quick] [--json] [--no-compile] [--no-memory] [--sizes N,L,D,H ...]
-                  [--section layer|patterns ...] [--pattern-sizes N,H,L,A,W ...]
+                  [--section layer|patterns|decoding ...] [--pattern-sizes N,H,L,A,W ...]
 
 One module per job: :mod:`~einattn.bench.forms` (the six forms, on the same weights),
 :mod:`~einattn.bench.patterns` (the patterns section: its forms, timing and rows),
+:mod:`~einattn.bench.decoding` (the decoding section: a prefill, then one token at a time),
 :mod:`~einattn.bench.timing` (interleaved rounds, medians and spreads),
 :mod:`~einattn.bench.compiled` (``torch.compile``), :mod:`~einattn.bench.memory` (peak
 resident-set growth, one subprocess per form), :mod:`~einattn.bench.verdicts` (targets
@@ -15,6 +16,15 @@ is measured and why.
 """
 
 from .compiled import COMPILED, CompileRow, compile_size
+from .decoding import (
+    DECODING_FORMS,
+    DECODING_NAMES,
+    DecodingRow,
+    DecodingSection,
+    decoding_forms,
+    run_decoding,
+    time_decoding,
+)
 from .forms import (
     EINATTN,
     MODES,
@@ -58,16 +68,19 @@ from .report import Report, lines, run
 from .settings import (
     CLOCK_NAMES,
     COMPILE_SIZES,
+    DECODING_SIZES,
     MEMORY,
     MEMORY_LENGTHS,
     PATTERN_MEMORY_LENGTHS,
     PATTERN_SIZES,
+    QUICK_DECODING_SIZES,
     QUICK_MEMORY_LENGTHS,
     QUICK_PATTERN_MEMORY_LENGTHS,
     QUICK_PATTERN_SIZES,
     QUICK_SIZES,
     SECTIONS,
     SIZES,
+    DecodingSize,
     PatternSize,
     Settings,
     Size,
@@ -78,16 +91,18 @@ from .timing import CLOCKS, RESOLUTION, Row, Timing, time_interleaved, time_size
 from .verdicts import VERDICTS, Target, targets
 
 __all__ = [
-    "CLOCKS", "CLOCK_NAMES", "COMPILED", "COMPILE_SIZES", "EINATTN", "FLEX_FORMS", "MEMORY",
-    "MEMORY_LENGTHS", "MEMORY_METHOD", "MODES", "NAMES", "PATHS", "PATTERN_FORMS",
-    "PATTERN_MEMORY_FORMS", "PATTERN_MEMORY_LENGTHS", "PATTERN_MEMORY_METHOD", "PATTERN_NAMES",
-    "PATTERN_SIZES", "QUICK_MEMORY_LENGTHS", "QUICK_PATTERN_MEMORY_LENGTHS",
+    "CLOCKS", "CLOCK_NAMES", "COMPILED", "COMPILE_SIZES", "DECODING_FORMS", "DECODING_NAMES",
+    "DECODING_SIZES", "EINATTN", "FLEX_FORMS", "MEMORY", "MEMORY_LENGTHS", "MEMORY_METHOD",
+    "MODES", "NAMES", "PATHS", "PATTERN_FORMS", "PATTERN_MEMORY_FORMS",
+    "PATTERN_MEMORY_LENGTHS", "PATTERN_MEMORY_METHOD", "PATTERN_NAMES", "PATTERN_SIZES",
+    "QUICK_DECODING_SIZES", "QUICK_MEMORY_LENGTHS", "QUICK_PATTERN_MEMORY_LENGTHS",
     "QUICK_PATTERN_SIZES", "QUICK_SIZES", "RESOLUTION", "SECTIONS", "SIZES", "VERDICTS",
-    "CompileRow", "LinearSDPA", "MemoryRow", "PatternRow", "PatternSection", "PatternSize",
-    "Report", "Row", "Settings", "Setup", "Size", "Target", "Textbook", "Timing", "TorchMHA",
-    "build", "compile_size", "inputs", "lines", "measure_memory", "measure_pattern_memory",
-    "memory_worker", "parse_pattern_size", "parse_size", "pattern_forms", "pattern_inputs",
-    "pattern_memory_worker", "pattern_skipped", "pattern_step", "run", "run_patterns", "step",
-    "targets", "time_interleaved", "time_patterns", "time_size", "unavailable", "window_mask",
-    "with_impl",
+    "CompileRow", "DecodingRow", "DecodingSection", "DecodingSize", "LinearSDPA", "MemoryRow",
+    "PatternRow", "PatternSection", "PatternSize", "Report", "Row", "Settings", "Setup", "Size",
+    "Target", "Textbook", "Timing", "TorchMHA", "build", "compile_size", "decoding_forms",
+    "inputs", "lines", "measure_memory", "measure_pattern_memory", "memory_worker",
+    "parse_pattern_size", "parse_size", "pattern_forms", "pattern_inputs",
+    "pattern_memory_worker", "pattern_skipped", "pattern_step", "run", "run_decoding",
+    "run_patterns", "step", "targets", "time_decoding", "time_interleaved", "time_patterns",
+    "time_size", "unavailable", "window_mask", "with_impl",
 ]

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .compiled import CompileRow, compile_size
+from .decoding import DecodingSection, decoding_lines, run_decoding
 from .forms import NAMES, PATHS, unavailable
 from .memory import MEMORY_METHOD, PATTERN_MEMORY_METHOD, MemoryRow, measure_memory
 from .patterns import (
@@ -40,6 +41,7 @@ class Report:
     memory: list[MemoryRow] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     patterns: PatternSection = field(default_factory=PatternSection)
+    decoding: DecodingSection = field(default_factory=DecodingSection)
     threads: int = field(default_factory=torch.get_num_threads)
     seconds: float = 0.0
 
@@ -61,7 +63,8 @@ class Report:
                          "memory_lengths": list(s.memory_lengths),
                          "sections": list(s.sections),
                          "pattern_sizes": [x.as_json() for x in s.pattern_sizes],
-                         "pattern_memory_lengths": list(s.pattern_memory_lengths)},
+                         "pattern_memory_lengths": list(s.pattern_memory_lengths),
+                         "decoding_sizes": [x.as_json() for x in s.decoding_sizes]},
             "paths": {name: NAMES[name] for name in PATHS},
             "skipped": self.skipped,
             "timings": [r.as_json() for r in self.rows],
@@ -70,6 +73,7 @@ class Report:
             "memory": ({"method": MEMORY_METHOD, "rows": [m.as_json() for m in self.memory]}
                        if self.memory else {"skipped": s.why_no_memory or "no lengths"}),
             "patterns": self.patterns.as_json(s),
+            "decoding": self.decoding.as_json(s),
             "targets": [t.as_json() for t in targets(self)],
             "seconds": self.seconds,
         }
@@ -113,6 +117,8 @@ def run(settings: Settings, progress: Callable[[str], None] | None = None) -> Re
             report.memory.append(measure_memory(L, report.skipped))
         if "patterns" in settings.sections:
             report.patterns = run_patterns(settings, say)
+        if "decoding" in settings.sections:
+            report.decoding = run_decoding(settings, say)
     finally:
         torch.set_num_threads(threads)
     report.seconds = time.perf_counter() - start
@@ -288,6 +294,8 @@ def lines(report: Report, table, paint) -> list[str]:
              *_compile_table(report, table, paint),
              *_memory_table(report, table, paint)] if "layer" in sections else []
     patterns = _patterns_text(report, table, paint) if "patterns" in sections else []
-    return [*_header(report), *layer, *patterns,
+    decoding = decoding_lines(report.decoding, table, paint, _duration, _times, _percent) \
+        if "decoding" in sections else []
+    return [*_header(report), *layer, *patterns, *decoding,
             *_targets_table(report, table, paint),
             f"ran in {report.seconds:.0f} s"]

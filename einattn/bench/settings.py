@@ -75,6 +75,25 @@ def parse_pattern_size(text: str) -> PatternSize:
     return PatternSize(*map(int, parts))
 
 
+@dataclass(frozen=True)
+class DecodingSize:
+    """One decoding size: ``n`` samples, ``d_model``, ``heads``, and the ``context`` of
+    cached tokens each step attends over."""
+
+    n: int
+    d_model: int
+    heads: int
+    context: int
+
+    @property
+    def label(self) -> str:
+        return f"({self.n}, {self.d_model}, {self.heads}) context {self.context}"
+
+    def as_json(self) -> dict:
+        return {"n": self.n, "d_model": self.d_model, "heads": self.heads,
+                "d_head": self.d_model // self.heads, "context": self.context}
+
+
 # The sizes the targets name, then one causal row (informational: targets read non-causal
 # rows).
 SIZES = (Size(8, 128, 512, 8), Size(2, 1024, 512, 8), Size(1, 4096, 256, 4),
@@ -84,12 +103,14 @@ QUICK_SIZES = (Size(2, 5, 16, 4), Size(2, 64, 64, 4))
 MEMORY = (1, 256, 4)  # n, d_model, heads of the memory runs
 MEMORY_LENGTHS = (4096, 8192)
 QUICK_MEMORY_LENGTHS = (1024,)
-# The sections a run may cover: one attention layer six ways, and attention patterns.
-SECTIONS = ("layer", "patterns")
+# The sections a run may cover: one attention layer six ways, attention patterns, decoding.
+SECTIONS = ("layer", "patterns", "decoding")
 PATTERN_SIZES = (PatternSize(1, 4, 4096, 64, 256),)  # the size issue 19's targets name
 QUICK_PATTERN_SIZES = (PatternSize(1, 2, 64, 8, 16),)
 PATTERN_MEMORY_LENGTHS = (8192,)  # at the first pattern size's n, μ, a and window
 QUICK_PATTERN_MEMORY_LENGTHS = (1024,)
+DECODING_SIZES = (DecodingSize(1, 512, 8, 512), DecodingSize(1, 512, 8, 4096))  # issue 24's
+QUICK_DECODING_SIZES = (DecodingSize(1, 32, 4, 24),)
 # The clocks a timing sample may read (einattn.bench.timing.CLOCKS), as the report names them.
 CLOCK_NAMES = {"wall": "wall-clock time", "cpu": "process CPU time"}
 
@@ -114,6 +135,7 @@ class Settings:
     pattern_sizes: tuple[PatternSize, ...] = PATTERN_SIZES
     pattern_memory_lengths: tuple[int, ...] = PATTERN_MEMORY_LENGTHS  # () = no memory runs
     why_no_flex: str = ""  # why the compiled FlexAttention forms do not run ("" = they do)
+    decoding_sizes: tuple[DecodingSize, ...] = DECODING_SIZES
 
     @classmethod
     def build(cls, *, quick: bool = False, compile: bool = True, memory: bool = True,
@@ -148,11 +170,11 @@ class Settings:
                    memory_lengths=QUICK_MEMORY_LENGTHS, quick=True,
                    why_no_compile="--quick runs no compile", pattern_sizes=QUICK_PATTERN_SIZES,
                    pattern_memory_lengths=QUICK_PATTERN_MEMORY_LENGTHS,
-                   why_no_flex="--quick runs no compile")
+                   why_no_flex="--quick runs no compile", decoding_sizes=QUICK_DECODING_SIZES)
 
     def _only(self, sections: tuple[str, ...] | None) -> Settings:
         """These settings for ``sections`` alone: the layer's sizes and lengths emptied when
-        the layer is not among them, the patterns' when they are not."""
+        the layer is not among them, the patterns' and decoding's when they are not."""
         if not sections:
             return self
         unknown = [name for name in sections if name not in SECTIONS]
@@ -167,6 +189,8 @@ class Settings:
                         why_no_memory=s.why_no_memory or why)
         if "patterns" not in s.sections:
             s = replace(s, pattern_sizes=(), pattern_memory_lengths=())
+        if "decoding" not in s.sections:
+            s = replace(s, decoding_sizes=())
         return s
 
 

@@ -15,7 +15,7 @@ from .options import MEMORY_LIMIT, TRACE_TENSORS, Command, UsageError, check_mem
 from .output import Output, Paint, table
 
 MAX_ROUNDS = 1000  # --repeats: a round of the full run takes seconds, 1,000 an hour or more
-SECTIONS = ("layer", "patterns")  # einattn.bench.SECTIONS, named here without importing it
+SECTIONS = ("layer", "patterns", "decoding")  # einattn.bench.SECTIONS, not imported here
 PATTERN_TENSORS = ("Q[n μ τ a]", "S[n μ τ σ]")  # the dense mask and einsum's scores: L² a head
 
 
@@ -69,8 +69,10 @@ def bench_options(parser: argparse.ArgumentParser) -> None:
         "compile at the first two); sizes whose largest tensor would need more than "
         f"{gib(MEMORY_LIMIT)} are refused")
     add("--section", nargs="+", choices=SECTIONS, metavar="S", help="the sections to run: "
-        "layer (one attention layer six ways) and patterns (a causal sliding window: chunked "
-        "against SDPA with a dense mask and compiled FlexAttention) (default: both)")
+        "layer (one attention layer six ways), patterns (a causal sliding window: chunked "
+        "against SDPA with a dense mask and compiled FlexAttention) and decoding (a prefill, "
+        "then the time per token at contexts 512 and 4096 against hand-written Linear+SDPA "
+        "with a torch.cat and a preallocated cache) (default: all three)")
     add("--pattern-sizes", nargs="+", type=_pattern_size, metavar="N,H,L,A,W", help="the "
         "patterns section's sizes, each n,heads,L,d_head,window (default 1,4,4096,64,256; "
         "1,2,64,8,16 with --quick); its memory runs at the first one's n, heads, d_head and "
@@ -104,7 +106,8 @@ def bench_command(args: argparse.Namespace, paint: Paint) -> Output:
 
 
 COMMAND = Command(bench_command, "time einattn's einsum, sdpa and chunked paths against the "
-                  "textbook form, nn.MultiheadAttention and Linear+SDPA, and a sliding window "
-                  "against SDPA and FlexAttention; compile and peak memory too; targets with "
-                  "PASS, FAIL or SKIP (--check: exit 1 if one fails)",
+                  "textbook form, nn.MultiheadAttention and Linear+SDPA, a sliding window "
+                  "against SDPA and FlexAttention, and decoding token by token; compile and "
+                  "peak memory too; targets with PASS, FAIL or SKIP (--check: exit 1 if one "
+                  "fails)",
                   (bench_options,))
