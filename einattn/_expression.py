@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._syntax import EXPRESSION_TOKEN, Term, _term, _Tokens
+from ._syntax import EXPRESSION_TOKEN, Term, Tokens, read_term
 from ._syntax import root as read_root
 from .errors import at
 
@@ -86,15 +86,15 @@ class Parsed:
 
 def parse(text: str) -> Parsed:
     """Read ``text`` into an output term and the tree of its right side."""
-    tokens = _Tokens(text, EXPRESSION_TOKEN)
-    output = _term(tokens)
+    tokens = Tokens(text, EXPRESSION_TOKEN)
+    output = read_term(tokens)
     tokens.take("=")
     right = _sum(tokens)
     tokens.take("end")
     return Parsed(output, right)
 
 
-def _sum(tokens: _Tokens) -> Node:
+def _sum(tokens: Tokens) -> Node:
     start = tokens.peek()[2]
     terms, signs = [], []
     sign = 1
@@ -111,7 +111,7 @@ def _sum(tokens: _Tokens) -> Node:
     return Sum(start, _end(tokens), tuple(terms), tuple(signs))
 
 
-def _product(tokens: _Tokens) -> Node:
+def _product(tokens: Tokens) -> Node:
     start = tokens.peek()[2]
     factors, divisors = [_factor(tokens)], []
     root, root_position = None, -1
@@ -137,7 +137,7 @@ def _product(tokens: _Tokens) -> Node:
     return Product(start, _end(tokens), tuple(factors), tuple(divisors), root, root_position)
 
 
-def _factor(tokens: _Tokens) -> Node:
+def _factor(tokens: Tokens) -> Node:
     kind, value, pos = tokens.peek()
     if value == "(":
         tokens.take()
@@ -151,14 +151,14 @@ def _factor(tokens: _Tokens) -> Node:
     following = tokens.peek()[1]
     if following == "[":
         tokens.k -= 1  # a term: read it whole
-        term = _term(tokens)
+        term = read_term(tokens)
         return Tensor(pos, _end(tokens), term)
     if following == "(":
         return _call(tokens, name, pos)
     return Scalar(pos, pos + len(name), name)
 
 
-def _call(tokens: _Tokens, name: str, pos: int) -> Call:
+def _call(tokens: Tokens, name: str, pos: int) -> Call:
     function, _, axis = name.partition("_")
     axis_position = pos + len(function) + 1
     if function in AXIS_FUNCTIONS and axis:
@@ -186,7 +186,7 @@ def _call(tokens: _Tokens, name: str, pos: int) -> Call:
     return Call(pos, _end(tokens), function, axis or None, axis_position, tuple(arguments))
 
 
-def _close(tokens: _Tokens, opening: int) -> None:
+def _close(tokens: Tokens, opening: int) -> None:
     if tokens.peek()[1] != ")":
         kind, value, pos = tokens.peek()
         found = "the end" if kind == "end" else repr(value)
@@ -195,16 +195,40 @@ def _close(tokens: _Tokens, opening: int) -> None:
     tokens.take()
 
 
-def _ahead(tokens: _Tokens) -> str:
+def _ahead(tokens: Tokens) -> str:
     """The token after the next one."""
     k = tokens.k + 1
     return tokens.items[k][1] if k < len(tokens.items) else ""
 
 
-def _end(tokens: _Tokens) -> int:
+def _end(tokens: Tokens) -> int:
     """Where the last token taken ends."""
     _, value, pos = tokens.items[tokens.k - 1]
     return pos + len(value)
+
+
+def check_names(tree: Parsed, operands: tuple[str, ...], scalars: tuple[str, ...],
+                text: str) -> None:
+    """What the text alone decides about names: the left side's indices, the output's
+    name, each scalar's, the root's index."""
+    output = tree.output
+    seen: dict[str, int] = {}
+    for index, pos in zip(output.indices, output.positions, strict=True):
+        if index in seen:
+            raise at(f"index {index!r} appears twice on the left", text, seen[index], pos)
+        seen[index] = pos
+    if not operands:
+        raise at("the right side has no tensor: an equation computes from tensors", text,
+                 tree.right.start)
+    if output.name in (*operands, *scalars):
+        raise at(f"{output.name} is both the output and an operand", text, output.position)
+    indices = {i for n in walk(tree.right) if isinstance(n, Tensor) for i in n.term.indices}
+    for node in walk(tree.right):
+        if isinstance(node, Scalar) and (node.name in operands or node.name in indices):
+            what = "a tensor" if node.name in operands else "an index"
+            raise at(f"{node.name} is both a scalar and {what}", text, node.start)
+        if isinstance(node, Product) and node.root is not None and node.root not in indices:
+            raise at(f"scale index {node.root!r} appears on no tensor", text, node.root_position)
 
 
 def children(node: Node) -> tuple[Node, ...]:

@@ -13,7 +13,7 @@ a ``\frac``, with ``/ √a`` as ``\sqrt{d_{a}}`` beneath, as a contraction write
 from __future__ import annotations
 
 from ._expression import Call, Node, Number, Parsed, Product, Scalar, Sum, Tensor
-from .latex import _rendered_term, symbol
+from .latex import rendered_term, symbol
 
 _OPERATORS = {"softmax": r"\operatorname{softmax}", "logsumexp": r"\operatorname{logsumexp}",
               "max": r"\max", "sum": r"\sum"}
@@ -22,12 +22,12 @@ _COMMANDS = {"exp": r"\exp", "log": r"\log", "tanh": r"\tanh", "max": r"\max"}
 
 def render(parsed: Parsed) -> str:
     """The equation as LaTeX."""
-    return f"{_rendered_term(parsed.output)} = {_latex(parsed.right)}"
+    return f"{rendered_term(parsed.output)} = {_latex(parsed.right)}"
 
 
 def _latex(node: Node) -> str:
     if isinstance(node, Tensor):
-        return _rendered_term(node.term)
+        return rendered_term(node.term)
     if isinstance(node, Scalar):
         return symbol(node.name)
     if isinstance(node, Number):
@@ -43,23 +43,33 @@ def _sum(node: Sum) -> str:
     parts = []
     for k, (term, sign) in enumerate(zip(node.terms, node.signs, strict=True)):
         operator = ("-" if sign < 0 else "") if k == 0 else (" - " if sign < 0 else " + ")
-        parts.append(operator + _latex(term))
+        inner = _latex(term)
+        if isinstance(term, Sum) and (sign < 0 or (k > 0 and term.signs[0] < 0)):
+            inner = rf"\left({inner}\right)"  # S - (S - M), -(S + M), S + (-M + X)
+        parts.append(operator + inner)
     return "".join(parts)
 
 
 def _product(node: Product) -> str:
-    top = " ".join(_factor(f) for f in node.factors)
     alone = len(node.divisors) == 1 and node.root is None  # a \frac's whole denominator
-    below = [_latex(d) if alone else _factor(d) for d in node.divisors]
+    below = [_latex(node.divisors[0])] if alone else _factors(node.divisors)
     if node.root is not None:
         below.append(rf"\sqrt{{d_{{{symbol(node.root)}}}}}")
-    return rf"\frac{{{top}}}{{{' '.join(below)}}}" if below else top
+    if not below:
+        return " ".join(_factors(node.factors))
+    top = _latex(node.factors[0]) if len(node.factors) == 1 else " ".join(_factors(node.factors))
+    return rf"\frac{{{top}}}{{{' '.join(below)}}}"
 
 
-def _factor(node: Node) -> str:
-    """A factor of a product: a sum within it keeps its parentheses."""
-    inner = _latex(node)
-    return rf"\left({inner}\right)" if isinstance(node, Sum) else inner
+def _factors(nodes: tuple[Node, ...]) -> list[str]:
+    r"""Factors of a product side by side: a sum within it keeps its parentheses, and a
+    number after another factor a ``\cdot`` (``2 \cdot 3 S``, not ``2 3 S``)."""
+    shown = []
+    for k, node in enumerate(nodes):
+        inner = _latex(node)
+        inner = rf"\left({inner}\right)" if isinstance(node, Sum) else inner
+        shown.append(rf"\cdot {inner}" if k and isinstance(node, Number) else inner)
+    return shown
 
 
 def _call(node: Call) -> str:

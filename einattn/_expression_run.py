@@ -5,18 +5,20 @@ alone: a term its own; a sum, an elementwise function or ``max(x, y)`` the union
 arguments' (broadcast by index name, never by position); ``softmax_σ`` its argument's;
 ``logsumexp_σ``, ``max_σ`` and ``sum_σ`` their argument's but σ. A product sums, as
 Einstein's convention says, the indices of its factors that nothing outside it has (not
-the left side, not an enclosing function's axis, not another factor of an enclosing
-product): such a product is a contraction, an inner
-:class:`~einattn.notation.Equation` that opt_einsum plans and :mod:`einattn._lowering`
-runs; a product that sums nothing is an entrywise one. A term outside a product must
-have only indices that something outside it has: nothing is summed silently.
+the left side, not an enclosing function's axis, not an index another factor of an
+enclosing product carries, one that factor's own reduction binds excepted): such a
+product is a contraction, an inner :class:`~einattn.notation.Equation` that opt_einsum
+plans and :mod:`einattn._lowering` runs; a product that sums nothing is an entrywise one.
+A term outside a product must have only indices that something outside it has: nothing
+is summed silently, and nothing survives that the left side does not name.
 
-The masking contract of equation (3): in ``softmax_σ(… + M[…])``, a sum whose last term is
-a tensor, a row where every ``M`` is −∞ gives exact zeros with zero gradients
-(:func:`einattn._softmax.masked`, as :func:`~einattn.functional.masked_softmax` runs it);
-any other ``softmax_σ`` gives zeros for a row whose every logit is −∞. Everything is
-compiled into closures when the equation is made; a call checks the sizes by index name
-(once per shape signature, as a contraction's plan is cached) and runs the closures.
+The masking contract of equation (3): ``softmax_σ`` of any logits, ``S + M`` or ``M + S``
+or a longer sum, gives exact zeros with zero gradients for a row whose every logit is −∞
+(:func:`einattn._softmax.guarded`; NaN, being no −∞, propagates). Numbers and Python
+scalars stay Python floats (float64) until they meet a tensor, whose dtype they take, as
+torch's own scalars do. Everything is compiled into closures when the equation is made; a
+call checks the sizes by index name (once per shape signature, as a contraction's plan is
+cached) and runs the closures.
 """
 
 from __future__ import annotations
@@ -24,23 +26,56 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import methodcaller
 from typing import Any
 
 import torch
 
-from . import _softmax
-from ._expression import Call, Node, Number, Product, Scalar, Sum, Tensor, parse, walk
+from . import _expression, _softmax
+from ._expression import Call, Node, Number, Product, Scalar, Sum, Tensor, children, walk
 from ._expression_latex import render
-from ._lowering import assign_letters
+from ._lowering import assign_letters, same
 from ._syntax import Parsed
-from .errors import EinattnError, at
-from .notation import Equation, _opened, _signature
+from .errors import at
+from .notation import Equation, opened, signature
 
 Run = Callable[[dict, dict], Any]  # (arguments, sizes) -> the node's value
+# (plain functions, never an operator.methodcaller: dynamo cannot trace one inside an
+# autograd.Function, as the chunked path runs these)
 _ALONG = {"softmax": _softmax.guarded, "logsumexp": _softmax.logsumexp,
-          "max": methodcaller("amax", -1), "sum": methodcaller("sum", -1)}
-_ELEMENTWISE = {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh}
+          "max": lambda t: t.amax(-1), "sum": lambda t: t.sum(-1)}
+_LOGITS = ("softmax", "logsumexp")  # functions that take floating-point logits only
+
+
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:  # as torch.exp: inf
+        return math.inf
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf if x == 0 else math.nan  # as torch.log
+
+
+def _maximum(x: Any, y: Any) -> Any:
+    """``max(x, y)`` of tensors or numbers: a number that meets a tensor takes its dtype."""
+    if isinstance(x, torch.Tensor):
+        return torch.maximum(x, y if isinstance(y, torch.Tensor) else x.new_tensor(y))
+    if isinstance(y, torch.Tensor):
+        return torch.maximum(y.new_tensor(x), y)
+    return x if x != x or x >= y else y  # NaN propagates, as torch.maximum's does
+
+
+def _numbers_too(on_tensor: Callable, on_number: Callable) -> Callable:
+    """A function of one tensor that takes a number (a Python float, float64) as well."""
+    return lambda x: on_tensor(x) if isinstance(x, torch.Tensor) else on_number(x)
+
+
+# name: (where a tensor reaches it, where maybe only numbers do)
+_ELEMENTWISE = {"exp": (torch.exp, _numbers_too(torch.exp, _exp)),
+                "log": (torch.log, _numbers_too(torch.log, _log)),
+                "tanh": (torch.tanh, _numbers_too(torch.tanh, math.tanh)),
+                "max": (torch.maximum, _maximum)}
 
 
 @dataclass(frozen=True)
@@ -92,7 +127,7 @@ class Expression(Equation):
 
     def __init__(self, text: str):
         self.text = text
-        tree = parse(text)
+        tree = _expression.parse(text)
         self._tree = tree
         terms = tuple(n.term for n in walk(tree.right) if isinstance(n, Tensor))
         self._parsed = Parsed(tree.output, terms, None, -1)  # what the size checks read
@@ -100,7 +135,10 @@ class Expression(Equation):
         self.operands = tuple(dict.fromkeys(t.name for t in terms))
         self.scalars = tuple(dict.fromkeys(n.name for n in walk(tree.right)
                                            if isinstance(n, Scalar)))
-        _check_names(tree, self.operands, self.scalars, text)
+        _expression.check_names(tree, self.operands, self.scalars, text)
+        self._logits = {n.term.name: (f"{c.function}_{c.axis}", n.term.position)
+                        for c in walk(tree.right) if isinstance(c, Call) and c.function in _LOGITS
+                        for n in walk(c) if isinstance(n, Tensor)}  # floating point only
         compiler = _Compiler(text)
         self._run = compiler.equation(tree.output, tree.right)
         self._stages = tuple(compiler.stages)
@@ -110,12 +148,17 @@ class Expression(Equation):
         return render(self._tree)
 
     def __call__(self, **arguments: Any) -> torch.Tensor:
-        tensors = self._without_scalars(arguments)
+        tensors = arguments
+        if self.scalars:
+            for name in self.scalars:  # a Python number passes at the cost of one lookup
+                if type(arguments.get(name)) not in (float, int):
+                    self._check_scalar(name, arguments)
+            tensors = {k: v for k, v in arguments.items() if k not in self.scalars}
         if torch.compiler.is_compiling():  # no cache (dynamo follows the sizes, not the key)
             return self._run(arguments, self._resolve(*self._split_arguments(
                 tensors, allow_shapes=False)))
         try:
-            sizes = self._checked.get(_signature(tensors))
+            sizes = self._checked.get(signature(tensors))
         except TypeError:  # an unhashable argument: the check says what is wrong with it
             sizes = None
         if sizes is None:
@@ -125,10 +168,14 @@ class Expression(Equation):
     def _check(self, tensors: dict[str, Any]) -> dict[str, int]:
         shapes, given = self._split_arguments(tensors, allow_shapes=False)
         self._check_dtypes(tensors)
+        for name, (function, position) in self._logits.items():
+            if not tensors[name].is_floating_point():
+                raise at(f"{name} is {tensors[name].dtype}: {function} takes floating-point "
+                         f"logits", self.text, position)
         sizes = self._resolve(shapes, given)
         if len(self._checked) >= 256:
             self._checked.clear()
-        self._checked[_signature(tensors)] = sizes
+        self._checked[signature(tensors)] = sizes
         return sizes
 
     def sizes(self, **arguments: Any) -> dict[str, int]:
@@ -144,23 +191,19 @@ class Expression(Equation):
             for s in self._stages)
         return ExpressionExplanation(self.text, sizes, self._stages, plans)
 
-    def _without_scalars(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        """The arguments less the scalars, each checked to be a number or a 0-d tensor."""
-        if not self.scalars:
-            return arguments
-        missing = [s for s in self.scalars if s not in arguments]
-        if missing:
-            raise at(f"missing scalar {', '.join(missing)}: give it as a number, "
-                     f"{missing[0]}=2.0", self.text, *(n.start for n in walk(self._tree.right)
-                                                       if isinstance(n, Scalar)
-                                                       and n.name in missing))
-        for name in self.scalars:
-            value = arguments[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)) \
-                    or (isinstance(value, torch.Tensor) and value.ndim):
-                raise EinattnError(f"scalar {name} must be a number or a 0-d tensor, got "
-                                   f"{_described(value)}")
-        return {k: v for k, v in arguments.items() if k not in self.scalars}
+    def _check_scalar(self, name: str, arguments: dict[str, Any]) -> None:
+        """That scalar ``name`` is given, as a number or a 0-d tensor."""
+        value = arguments.get(name)
+        if (isinstance(value, torch.Tensor) and not value.ndim) \
+                or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return  # a 0-d tensor, or a subclass of float (numpy's float64)
+        places = [n.start for n in walk(self._tree.right) if isinstance(n, Scalar)
+                  and n.name == name]
+        if name not in arguments:
+            raise at(f"missing scalar {name}: give it as a number, {name}=2.0", self.text,
+                     *places)
+        raise at(f"scalar {name} must be a number or a 0-d tensor, got {_described(value)}",
+                 self.text, *places)
 
 
 def _described(value: Any) -> str:
@@ -169,23 +212,14 @@ def _described(value: Any) -> str:
     return repr(value) if isinstance(value, bool) else type(value).__name__
 
 
-def _check_names(tree, operands: tuple[str, ...], scalars: tuple[str, ...], text: str) -> None:
-    output = tree.output
-    seen: dict[str, int] = {}
-    for index, pos in zip(output.indices, output.positions, strict=True):
-        if index in seen:
-            raise at(f"index {index!r} appears twice on the left", text, seen[index], pos)
-        seen[index] = pos
-    if not operands:
-        raise at("the right side has no tensor: an equation computes from tensors", text,
-                 tree.right.start)
-    if output.name in (*operands, *scalars):
-        raise at(f"{output.name} is both the output and an operand", text, output.position)
-    indices = {i for n in walk(tree.right) if isinstance(n, Tensor) for i in n.term.indices}
-    for node in walk(tree.right):
-        if isinstance(node, Scalar) and (node.name in operands or node.name in indices):
-            what = "a tensor" if node.name in operands else "an index"
-            raise at(f"{node.name} is both a scalar and {what}", text, node.start)
+def _free(node: Node) -> set[str]:
+    """The indices ``node`` may carry to its neighbours in a product, from the text alone:
+    its terms' indices less those its reductions bind (``sum_a(z[a])`` carries none)."""
+    if isinstance(node, Tensor):
+        return set(node.term.indices)
+    if isinstance(node, Call) and node.axis is not None and node.function != "softmax":
+        return _free(node.arguments[0]) - {node.axis}
+    return set().union(*map(_free, children(node)))
 
 
 class _Compiler:
@@ -197,6 +231,7 @@ class _Compiler:
         self.names = 0  # placeholders of the inner equations: _0, _1, …
 
     def equation(self, output, right: Node) -> Run:
+        """The right side as one closure whose value has the left side's axes."""
         compiled = self.node(right, frozenset(output.indices))
         for index, pos in zip(output.indices, output.positions, strict=True):
             if index not in compiled.indices:
@@ -204,14 +239,22 @@ class _Compiler:
                                                   walk(right) if isinstance(t, Tensor))
                          else "is reduced away on the right")
                 raise at(f"output index {index!r} {where}", self.text, pos)
-        order = _aligned(compiled.indices, output.indices)
-        run, shape = compiled.run, [axis.indices for axis in output.axes]
+        for index in compiled.indices:
+            if index not in output.indices:
+                raise at(f"index {index!r} survives on the right but is not on the left: "
+                         f"reduce it (sum_{index}, max_{index}, …) or put it on the left",
+                         self.text, *(p for t in walk(right) if isinstance(t, Tensor)
+                                      for i, p in zip(t.term.indices, t.term.positions,
+                                                      strict=True) if i == index))
+        run = _then(compiled.run, _aligned(compiled.indices, output.indices))
         if not output.grouped:
-            return lambda arguments, sizes: order(torch.as_tensor(run(arguments, sizes)))
-        return lambda arguments, sizes: order(torch.as_tensor(run(arguments, sizes))).reshape(
-            *(math.prod(sizes[i] for i in axis) for axis in shape))
+            return run
+        shape = [axis.indices for axis in output.axes]
+        return lambda arguments, sizes: run(arguments, sizes).reshape(
+            *[math.prod([sizes[i] for i in axis]) for axis in shape])
 
     def node(self, node: Node, visible: frozenset, in_product: bool = False) -> Compiled:
+        """Any node, seeing the indices in ``visible`` as held outside it."""
         if isinstance(node, Tensor):
             return self.tensor(node, visible, in_product)
         if isinstance(node, Scalar):
@@ -227,6 +270,7 @@ class _Compiler:
         return self.call(node, visible)
 
     def tensor(self, node: Tensor, visible: frozenset, in_product: bool) -> Compiled:
+        """A term: outside a product, each of its indices held outside, none repeated."""
         term = node.term
         if not in_product:
             repeated = [p for i, p in zip(term.indices, term.positions, strict=True)
@@ -239,50 +283,41 @@ class _Compiler:
                     raise at(f"index {index!r} of {term.name} is on neither the left nor a "
                              f"function's axis: only a product sums (Einstein's convention), "
                              f"elsewhere write sum_{index}(…)", self.text, pos)
+        name = term.name
         if not term.grouped:
-            return Compiled(term.indices, lambda arguments, sizes: arguments[term.name])
+            return Compiled(term.indices, lambda arguments, sizes: arguments[name])
         axes = len(term.axes)
-        return Compiled(term.indices, lambda arguments, sizes: _opened(
-            arguments[term.name], term, sizes) if arguments[term.name].ndim == axes
-            else arguments[term.name])
+        return Compiled(term.indices, lambda arguments, sizes: opened(
+            arguments[name], term, sizes) if arguments[name].ndim == axes
+            else arguments[name])
 
     def sum(self, node: Sum, visible: frozenset) -> Compiled:
+        """Terms added and subtracted, broadcast by index name."""
         parts = [self.node(t, visible) for t in node.terms]
         indices = _union(p.indices for p in parts)
-        runs = [(sign, p.run, _aligned(p.indices, indices))
-                for sign, p in zip(node.signs, parts, strict=True)]
-
-        def run(arguments, sizes):
-            total = None
-            for sign, part, align in runs:
-                value = align(part(arguments, sizes))
-                total = (-value if sign < 0 else value) if total is None else \
-                    total - value if sign < 0 else total + value
-            return total
-        return self.stage("entrywise", node, indices, run)
+        runs = [_then(p.run, _aligned(p.indices, indices)) for p in parts]
+        return self.stage("entrywise", node, indices, _sum_run(runs, node.signs))
 
     def product(self, node: Product, visible: frozenset) -> Compiled:
-        held = [{i for n in walk(f) if isinstance(n, Tensor) for i in n.term.indices}
-                for f in node.factors]  # a factor sees the indices the others hold
+        """Factors over divisors: a contraction where it sums an index (Einstein's
+        convention), else entrywise, times its scalars, over its divisors and root."""
+        held = [_free(f) for f in node.factors]  # a factor sees what the others carry
         factors = [(f, self.node(f, visible.union(*held[:k], *held[k + 1:]), in_product=True))
                    for k, f in enumerate(node.factors)]
         tensors = [(f, c) for f, c in factors if not isinstance(f, (Scalar, Number))]
-        numbers = [c.run for f, c in factors if isinstance(f, (Scalar, Number))]
+        numbers = [c for f, c in factors if isinstance(f, (Scalar, Number))]
         summed = {i for _, c in tensors for i in c.indices} - visible
-        if summed or any(len(set(c.indices)) < len(c.indices) for _, c in tensors):
-            compiled = self.contraction(node, tensors, visible)
-            entrywise: list = []
-        else:
-            compiled = None
-            entrywise = [c for _, c in tensors]
+        contracted = summed or any(len(set(c.indices)) < len(c.indices) for _, c in tensors)
+        top = [self.contraction(node, tensors, visible)] if contracted else \
+            [c for _, c in tensors]
         divisors = [self.node(d, visible) for d in node.divisors]
-        indices = _union([compiled.indices] if compiled else [c.indices for c in entrywise])
-        indices = _union([indices, *(d.indices for d in divisors)])
-        root = None if compiled is not None else node.root
-        run = _product_run(compiled, entrywise, numbers, divisors, root, indices)
-        if compiled is not None and not numbers and not divisors:
-            return compiled
-        return self.stage("entrywise", node, indices, run)
+        if contracted and not numbers and not divisors:
+            return top[0]
+        indices = _union([*(c.indices for c in top), *(d.indices for d in divisors)])
+        runs = [[_then(c.run, _aligned(c.indices, indices)) for c in group]
+                for group in ([*numbers, *top], divisors)]
+        root = None if contracted else node.root  # a contraction divides by it itself
+        return self.stage("entrywise", node, indices, _product_run(*runs, root))
 
     def contraction(self, node: Product, tensors: list, visible: frozenset) -> Compiled:
         """The factors that carry indices as one inner equation, with the product's root."""
@@ -310,40 +345,31 @@ class _Compiler:
         return Compiled(kept, run)
 
     def call(self, node: Call, visible: frozenset) -> Compiled:
+        """A function: elementwise (of tensors or numbers), or along its axis."""
         if node.axis is None:
             parts = [self.node(a, visible) for a in node.arguments]
             indices = _union(p.indices for p in parts)
-            runs = [(p.run, _aligned(p.indices, indices)) for p in parts]
-            f = _ELEMENTWISE.get(node.function, torch.maximum)
-            return self.stage("entrywise", node, indices, lambda arguments, sizes: f(
-                *(torch.as_tensor(align(r(arguments, sizes))) for r, align in runs)))
+            runs = [_then(p.run, _aligned(p.indices, indices)) for p in parts]
+            reached = all(any(isinstance(n, Tensor) for n in walk(a)) for a in node.arguments)
+            f = _ELEMENTWISE[node.function][0 if reached else 1]  # by tensors or maybe numbers
+            first, *second = runs  # max(x, y) has two; no generator (dynamo)
+            run = (lambda arguments, sizes: f(first(arguments, sizes))) if not second else \
+                lambda arguments, sizes: f(first(arguments, sizes), second[0](arguments, sizes))
+            return self.stage("entrywise", node, indices, run)
         (argument,) = node.arguments
         self.check_axis(node, argument, _union(n.term.indices for n in walk(argument)
                                                if isinstance(n, Tensor)))
-        if node.function == "softmax" and _masked_form(argument):
-            return self.masked_softmax(node, argument, visible | {node.axis})
         part = self.node(argument, visible | {node.axis})
         self.check_axis(node, argument, part.indices)
         last = (*(i for i in part.indices if i != node.axis), node.axis)
-        align, f, run = _aligned(part.indices, last), _ALONG[node.function], part.run
+        f, inner = _ALONG[node.function], _then(part.run, _aligned(part.indices, last))
         kind = "softmax" if node.function == "softmax" else "reduction"
         indices = last if node.function == "softmax" else last[:-1]
         return self.stage(kind, node, indices, lambda arguments, sizes: f(
-            align(run(arguments, sizes))))
-
-    def masked_softmax(self, node: Call, argument: Sum, visible: frozenset) -> Compiled:
-        """``softmax_σ(X + M)``: :func:`einattn._softmax.masked`, the library's contract."""
-        rest = argument.terms[0] if len(argument.terms) == 2 and argument.signs[0] > 0 else \
-            Sum(argument.start, argument.terms[-1].start, argument.terms[:-1], argument.signs[:-1])
-        x, mask = self.node(rest, visible), self.node(argument.terms[-1], visible)
-        self.check_axis(node, argument, _union([x.indices, mask.indices]))
-        last = (*(i for i in _union([x.indices, mask.indices]) if i != node.axis), node.axis)
-        (run_x, align_x), (run_m, align_m) = ((x.run, _aligned(x.indices, last)),
-                                              (mask.run, _aligned(mask.indices, last)))
-        return self.stage("softmax", node, last, lambda arguments, sizes: _softmax.masked(
-            align_x(run_x(arguments, sizes)), align_m(run_m(arguments, sizes))))
+            inner(arguments, sizes)))
 
     def check_axis(self, node: Call, argument: Node, indices: tuple[str, ...]) -> None:
+        """That a function's axis is an index of its argument."""
         if node.axis not in indices:
             has = ", ".join(indices) or "none"
             raise at(f"{node.function}_{node.axis} runs along {node.axis!r}, which is no index "
@@ -351,35 +377,52 @@ class _Compiler:
                      f"{has})", self.text, node.axis_position)
 
     def stage(self, kind: str, node: Node, indices: tuple[str, ...], run: Run) -> Compiled:
+        """``run`` as the node's value, recorded for :meth:`Expression.explain`."""
         self.stages.append(Stage(kind, self.text[node.start:node.end], indices))
         return Compiled(indices, run)
 
 
-def _masked_form(argument: Node) -> bool:
-    """Whether a softmax's argument is ``… + M[…]``: a sum whose last term is a tensor."""
-    return isinstance(argument, Sum) and isinstance(argument.terms[-1], Tensor) \
-        and argument.signs[-1] > 0
-
-
-def _product_run(contracted: Compiled | None, entrywise: list[Compiled], numbers: list[Run],
-                 divisors: list[Compiled], root: str | None, indices: tuple[str, ...]) -> Run:
-    """A product's closure: the contraction (or the entrywise product of its factors), times
-    its scalars, over its divisors and the root, in the order written."""
-    factors = [(c.run, _aligned(c.indices, indices)) for c in
-               ([contracted] if contracted is not None else entrywise)]
-    below = [(d.run, _aligned(d.indices, indices)) for d in divisors]
+def _sum_run(runs: list[Run], signs: tuple[int, ...]) -> Run:
+    """A sum's closure: its terms added or subtracted in the order written."""
+    if len(runs) == 2 and signs[0] > 0:  # the common case, in one frame
+        f, g = runs
+        if signs[1] > 0:
+            return lambda arguments, sizes: f(arguments, sizes) + g(arguments, sizes)
+        return lambda arguments, sizes: f(arguments, sizes) - g(arguments, sizes)
 
     def run(arguments, sizes):
-        value = None
-        for f in numbers:
-            value = f(arguments, sizes) if value is None else value * f(arguments, sizes)
-        for f, align in factors:
-            t = align(f(arguments, sizes))
-            value = t if value is None else value * t
-        for f, align in below:
-            value = value / align(f(arguments, sizes))
+        total = None
+        for sign, part in zip(signs, runs, strict=True):
+            value = part(arguments, sizes)
+            total = (-value if sign < 0 else value) if total is None else \
+                total - value if sign < 0 else total + value
+        return total
+    return run
+
+
+def _product_run(tops: list[Run], bottoms: list[Run], root: str | None) -> Run:
+    """A product's closure: its factors multiplied, then divided by its divisors and the
+    root of an index's size, in the order written."""
+    if root is None and len(tops) == 2 and not bottoms:  # c · X, X Y: in one frame
+        f, g = tops
+        return lambda arguments, sizes: f(arguments, sizes) * g(arguments, sizes)
+    if root is None and len(tops) == 1 and len(bottoms) == 1:  # X / c
+        f, g = tops[0], bottoms[0]
+        return lambda arguments, sizes: f(arguments, sizes) / g(arguments, sizes)
+
+    def run(arguments, sizes):
+        value = tops[0](arguments, sizes)
+        for f in tops[1:]:
+            value = value * f(arguments, sizes)
+        for f in bottoms:
+            value = value / f(arguments, sizes)
         return value if root is None else value / math.sqrt(sizes[root])
     return run
+
+
+def _then(run: Run, step: Callable) -> Run:
+    """``step`` applied to what ``run`` gives; ``run`` itself where the step changes nothing."""
+    return run if step is same else lambda arguments, sizes: step(run(arguments, sizes))
 
 
 def _union(groups) -> tuple[str, ...]:
@@ -400,9 +443,5 @@ def _aligned(have: tuple[str, ...], want: tuple[str, ...]) -> Callable:
     if permute and insert:
         return lambda t: t.permute(*order)[index]
     if permute:
-        return methodcaller("permute", *order)
-    return (lambda t: t[index]) if insert else _same
-
-
-def _same(t):
-    return t
+        return lambda t: t.permute(*order)
+    return (lambda t: t[index]) if insert else same

@@ -90,12 +90,12 @@ def _pair(a: str, b: str, out: str, shapes, given) -> Pair | None:
 def _around(op: Pair, plan_a: Callable, plan_b: Callable, plan_c: Callable) -> Pair:
     """``plan_c(op(plan_a(A), plan_b(B)))``, leaving out the plans that change nothing (the
     per-call cost at small sizes is the number of Python calls)."""
-    if plan_a is _same:
-        inner = op if plan_b is _same else (lambda A, B: op(A, plan_b(B)))
+    if plan_a is same:
+        inner = op if plan_b is same else (lambda A, B: op(A, plan_b(B)))
     else:
-        inner = (lambda A, B: op(plan_a(A), B)) if plan_b is _same else \
+        inner = (lambda A, B: op(plan_a(A), B)) if plan_b is same else \
             (lambda A, B: op(plan_a(A), plan_b(B)))
-    return inner if plan_c is _same else (lambda A, B: plan_c(inner(A, B)))
+    return inner if plan_c is same else (lambda A, B: plan_c(inner(A, B)))
 
 
 def _prod(indices: list[str], size: dict[str, int]) -> int:
@@ -114,7 +114,7 @@ def _arrange(have: str, want: list[str], shape: tuple[int, ...], atomic: tuple[i
     Python frame of its own."""
     order = tuple(have.index(c) for c in want)
     if order == tuple(range(len(order))):  # ``shape`` is never empty: it holds the matmul's axes
-        return _same if tuple(current) == shape else methodcaller("reshape", *shape)
+        return same if tuple(current) == shape else methodcaller("reshape", *shape)
     opened = tuple(current) != tuple(atomic)
     if tuple(atomic[k] for k in order) == shape:  # the permutation alone gives the shape
         return (lambda t: t.reshape(*atomic).permute(*order)) if opened else \
@@ -134,11 +134,12 @@ def _unarrange(have: list[str], want: str, shape: tuple[int, ...],
             return methodcaller("permute", *order)
         return lambda t: t.reshape(*shape).permute(*order)
     if current == shape:
-        return _same
+        return same
     return methodcaller("reshape", *shape) if shape else methodcaller("reshape", ())  # a scalar
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
+def same(t: torch.Tensor) -> torch.Tensor:
+    """The identity: the step that changes nothing (recognised by ``is``, and left out)."""
     return t
 
 

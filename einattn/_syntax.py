@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .errors import EinattnError, at
+from .errors import at
 
 _TOKEN = re.compile(r"\s*(?:(?P<name>[^\W\d]\w*)|(?P<sym>sqrt|[\[\]()=/√·*])|(?P<bad>\S))")
 
@@ -64,7 +64,7 @@ def _axis_text(axis: Axis) -> str:
     return f"({body})" if axis.grouped else body
 
 
-class _Tokens:
+class Tokens:
     def __init__(self, text: str, pattern: re.Pattern = _TOKEN):
         self.text = text
         self.items: list[tuple[str, str, int]] = []
@@ -87,7 +87,7 @@ class _Tokens:
         return kind, value, pos
 
 
-def _term(tokens: _Tokens) -> Term:
+def read_term(tokens: Tokens) -> Term:
     _, name, pos = tokens.take("name")
     tokens.take("[")
     axes: list[Axis] = []
@@ -108,14 +108,14 @@ def _term(tokens: _Tokens) -> Term:
     return Term(name, tuple(axes), pos)
 
 
-def _scale(tokens: _Tokens) -> tuple[str | None, int]:
+def _scale(tokens: Tokens) -> tuple[str | None, int]:
     if tokens.peek()[1] != "/":
         return None, -1
     tokens.take("/")
     return root(tokens)
 
 
-def root(tokens: _Tokens) -> tuple[str, int]:
+def root(tokens: Tokens) -> tuple[str, int]:
     """``√a`` or ``sqrt(a)``: the index whose size's square root divides, and its place."""
     symbol = tokens.take("√", "sqrt")[1]
     if symbol == "sqrt":
@@ -127,55 +127,56 @@ def root(tokens: _Tokens) -> tuple[str, int]:
 
 
 # The tokens of the expression language (einattn._expression): numbers, + − - and commas too.
-EXPRESSION_TOKEN = re.compile(r"\s*(?:(?P<number>\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)|"
+EXPRESSION_TOKEN = re.compile(r"\s*(?:(?P<number>(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)|"
                               r"(?P<name>[^\W\d]\w*)|(?P<sym>[\[\]()=/√·*+\-−,])|(?P<bad>\S))")
 
 
 def is_expression(text: str) -> bool:
     """Whether ``text`` uses what only the expression language has (a function, a sum or
-    difference, a number, a scalar, a division by a tensor); decided from its tokens, so
-    that a product that fails to parse keeps the product grammar's message."""
-    try:
-        items = _Tokens(text, EXPRESSION_TOKEN).items
-    except EinattnError:
-        return False
-    depth, after = 0, ("", "")  # bracket depth; the two tokens before
-    indices = {v for k, (_, v, _) in enumerate(items) if _inside(items, k)}
+    difference, a number, a named scalar, parentheses, a division by a tensor); decided
+    from its tokens, so that a product that fails to parse keeps the product grammar's
+    message. A character that neither grammar reads is an error here, where it stands."""
+    items = Tokens(text, EXPRESSION_TOKEN).items
+    depth, before = 0, ("", "")  # bracket depth; the two tokens before
+    indices = _indices(items)
     for k, (kind, value, _) in enumerate(items):
         following = items[k + 1][1] if k + 1 < len(items) else ""
         depth += {"[": 1, "]": -1}.get(value, 0)
-        if value in "+-−," or (kind == "number" and depth == 0):
+        if value in ("+", "-", "−", ",") or (kind == "number" and depth == 0):
             return True
-        if kind == "name" and depth == 0 and value != "sqrt" and following == "(":
-            return True  # a function
+        if depth == 0 and value == "(" and before[1] != "sqrt":
+            return True  # parentheses (a function's own are found at its name)
         if value == "/" and following not in ("√", "sqrt", *indices):
             return True  # a division by something other than a root (or a root's index)
-        scale = after[1] in ("√", "(") and after[0] in ("/", "sqrt", "√")
-        if kind == "name" and depth == 0 and following in ("·", "*", ")", "") and not scale \
-                and value not in indices:
-            return True  # a scalar
-        after = (after[1], value)
+        root = before[1] == "√" or before == ("sqrt", "(")  # the root's index
+        if kind == "name" and depth == 0 and value != "sqrt" and following not in ("[", "]") \
+                and not root and (following == "(" or not indices & {value, following}):
+            return True  # a function, or a named scalar: a name without brackets (not
+            # one beside an index, a term that lost its "[": the product grammar says so)
+        before = (before[1], value)
     return False
 
 
-def _inside(items: list[tuple[str, str, int]], k: int) -> bool:
-    """Whether token ``k`` stands inside brackets (an index)."""
-    depth = 0
-    for _, value, _ in items[:k]:
+def _indices(items: list[tuple[str, str, int]]) -> set[str]:
+    """The names that stand inside brackets: the indices."""
+    depth, found = 0, set()
+    for kind, value, _ in items:
         depth += {"[": 1, "]": -1}.get(value, 0)
-    return depth > 0
+        if depth > 0 and kind == "name":
+            found.add(value)
+    return found
 
 
 def parse(text: str) -> Parsed:
     """Parse an equation and check what can be checked without tensors."""
-    tokens = _Tokens(text)
-    output = _term(tokens)
+    tokens = Tokens(text)
+    output = read_term(tokens)
     tokens.take("=")
-    operands = [_term(tokens)]
+    operands = [read_term(tokens)]
     while tokens.peek()[0] == "name" or tokens.peek()[1] in ("·", "*"):
         if tokens.peek()[1] in ("·", "*"):
             tokens.take()
-        operands.append(_term(tokens))
+        operands.append(read_term(tokens))
     scale, scale_pos = _scale(tokens)
     tokens.take("end")
     parsed = Parsed(output, tuple(operands), scale, scale_pos)

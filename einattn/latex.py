@@ -431,7 +431,7 @@ def symbol(name: str) -> str:
     return latex_symbol(base) + primes
 
 
-def _rendered_term(term: Term) -> str:
+def rendered_term(term: Term) -> str:
     parts = []
     for axis in term.axes:
         body = " ".join(symbol(i) for i in axis.indices)
@@ -444,7 +444,7 @@ def _rendered_term(term: Term) -> str:
 
 def render(p: Parsed) -> str:
     """The equation as LaTeX in the derivation's style, which :func:`read` reads back."""
-    right = " ".join(_rendered_term(t) for t in p.operands)
+    right = " ".join(rendered_term(t) for t in p.operands)
     if p.scale is not None:
         right = rf"\frac{{{right}}}{{\sqrt{{d_{{{symbol(p.scale)}}}}}}}"
-    return f"{_rendered_term(p.output)} = {right}"
+    return f"{rendered_term(p.output)} = {right}"

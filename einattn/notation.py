@@ -163,6 +163,9 @@ class Equation:
     def __str__(self) -> str:
         return self.text
 
+    def __reduce__(self) -> tuple:  # pickled as its text: the plans are rebuilt, not stored
+        return Equation, (self.text,)
+
     def latex(self) -> str:
         """The equation in LaTeX, in the derivation's style; :meth:`from_latex` reads it."""
         return render(self._parsed)
@@ -177,7 +180,7 @@ class Equation:
         if torch.compiler.is_compiling():
             return self._traced(arguments)
         try:
-            plan = self._plans.get(_signature(arguments))
+            plan = self._plans.get(signature(arguments))
         except TypeError:  # an unhashable argument: planning says what is wrong with it
             plan = None
         if plan is None:  # planned outside the except clause: no chained backend traceback
@@ -204,7 +207,7 @@ class Equation:
         ops = []
         for term in self._parsed.operands:
             t = arguments[term.name]
-            ops.append(t if t.ndim == len(term.indices) else _opened(t, term, sizes))
+            ops.append(t if t.ndim == len(term.indices) else opened(t, term, sizes))
         if self._parsed.scale is not None:
             k = next(k for k, t in enumerate(self._parsed.operands)
                      if self._parsed.scale in t.indices)
@@ -269,7 +272,7 @@ class Equation:
         )
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-        self._plans[_signature(arguments)] = plan
+        self._plans[signature(arguments)] = plan
         return plan
 
     def _steps(self, atomic: list[tuple[int, ...]], sizes: dict[str, int]):
@@ -336,9 +339,9 @@ class Equation:
             elif len(shape) == len(term.axes):
                 pairs = [(a.indices, a.positions, n) for a, n in zip(term.axes, shape, strict=True)]
             else:
-                opened = f" (or {len(term.indices)} with its groups opened)" if term.grouped else ""
+                also = f" (or {len(term.indices)} with its groups opened)" if term.grouped else ""
                 raise at(f"{term.name} has {len(shape)} axes {tuple(shape)} but "
-                         f"{term.text()} has {len(term.axes)}{opened}", self.text, term.position)
+                         f"{term.text()} has {len(term.axes)}{also}", self.text, term.position)
             for indices, positions, n in pairs:
                 if len(indices) == 1:
                     self._settle(sizes, source, indices[0], n, term.name, positions[0])
@@ -367,9 +370,9 @@ class Equation:
                 unknown = [i for i in indices if i not in sizes]
                 if len(unknown) > 1:
                     continue
-                known = math.prod(sizes[i] for i in indices if i in sizes)
+                known = math.prod([sizes[i] for i in indices if i in sizes])  # a list: dynamo
                 label = f"group ({' '.join(indices)}) of {term.name}"
-                product = "·".join(f"{i}={sizes[i]}" for i in indices if i in sizes)
+                product = "·".join([f"{i}={sizes[i]}" for i in indices if i in sizes])
                 if not unknown and known != n:
                     raise at(f"{label} has length {n} but {product} gives {known}",
                              self.text, *positions)
@@ -391,7 +394,7 @@ class Equation:
             pending = [g for g in pending if g not in progress]
 
 
-def _signature(arguments: dict[str, Any]) -> tuple:
+def signature(arguments: dict[str, Any]) -> tuple:
     """What a plan is cached by: the argument names in call order, then each tensor's shape
     and each keyword size, then each tensor's device, in one flat tuple (its length says how
     many names lead). The devices are part of it because a plan is only made after they
@@ -418,7 +421,7 @@ def _scaled(whole: Callable[..., torch.Tensor], slot: int,
     return lambda A, B: whole(A, B * scale)
 
 
-def _opened(t: torch.Tensor, term: Term, sizes: dict[str, int]) -> torch.Tensor:
+def opened(t: torch.Tensor, term: Term, sizes: dict[str, int]) -> torch.Tensor:
     """``t`` with each grouped axis of ``term`` opened into its indices, ``(μ B a) i`` as
     ``μ B a i`` (an unflatten: the order stays), one unknown size per group inferred."""
     for k in reversed(range(len(term.axes))):  # from the last, so earlier axes keep their place

@@ -5,6 +5,7 @@ sizes distinct; its LaTeX, its ``explain()``, and every error with its caret."""
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,158 @@ def test_cli_latex_of_3_is_rendered():
     assert cli.SOFTMAX_LATEX == F.SOFTMAX.latex()
 
 
+# -- review of issue 27: each case failed before its fix ---------------------------------------
+
+x_, y_, z_, w_ = randn(τ, a, seed=11), randn(a, seed=12), randn(a, seed=13), randn(a, seed=14)
+BOUND = [  # an index a neighbour's reduction binds is not held: the inner product still sums
+    ("O[τ] = exp(x[τ a] y[a]) sum_a(z[a])", lambda: torch.exp(x_ @ y_) * z_.sum()),
+    ("O[τ] = exp(x[τ a] y[a]) max_a(z[a])", lambda: torch.exp(x_ @ y_) * z_.amax()),
+    ("O[τ] = sum_a(z[a]) · exp(x[τ a] y[a])", lambda: z_.sum() * torch.exp(x_ @ y_)),
+    ("O[τ] = exp(x[τ a] y[a]) logsumexp_a(z[a])",
+     lambda: torch.exp(x_ @ y_) * torch.logsumexp(z_, 0)),
+    # a neighbour that does carry a: summed outside, as before
+    ("O[τ] = exp(x[τ a] y[a]) w[a]", lambda: (torch.exp(x_ * y_) * w_).sum(-1)),
+]
+
+
+@pytest.mark.parametrize("text, reference", BOUND, ids=[t for t, _ in BOUND])
+def test_a_reduction_of_a_neighbour_does_not_hold_its_bound_index(text, reference):
+    eq = Equation(text)
+    close(eq(**{k: v for k, v in dict(x=x_, y=y_, z=z_, w=w_).items() if k in eq.operands}),
+          reference())
+
+
+def _masking_inputs():
+    """S, B finite but S's row (0, 1) all −∞; M 0/−∞ with row (1, 2) all −∞."""
+    S, B = randn(2, τ, σ, seed=21), randn(2, τ, σ, seed=22)
+    S[0, 1] = -math.inf
+    M = torch.zeros(2, τ, σ, dtype=F64).masked_fill(randn(2, τ, σ, seed=23) < -0.5, -math.inf)
+    M[1, 2] = -math.inf
+    return {"S": S, "B": B, "M": M}
+
+
+ORDERS = [  # softmax_σ of a sum: the −∞ may stand in any term, in any order
+    ("A[n τ σ] = softmax_σ(S[n τ σ] + M[n τ σ])", lambda t: t["S"] + t["M"]),
+    ("A[n τ σ] = softmax_σ(M[n τ σ] + S[n τ σ])", lambda t: t["M"] + t["S"]),
+    ("A[n τ σ] = softmax_σ(S[n τ σ] + B[n τ σ])", lambda t: t["S"] + t["B"]),
+    ("A[n τ σ] = softmax_σ(B[n τ σ] + M[n τ σ] + S[n τ σ])",
+     lambda t: t["B"] + t["M"] + t["S"]),
+    ("A[n τ σ] = softmax_σ(S[n τ σ] + B[n τ σ] + M[n τ σ])",
+     lambda t: t["S"] + t["B"] + t["M"]),
+    ("A[n τ σ] = softmax_σ(M[n τ σ] + S[n τ σ] + 0)", lambda t: t["M"] + t["S"]),
+]
+
+
+@pytest.mark.parametrize("text, logits", ORDERS, ids=[t for t, _ in ORDERS])
+def test_a_row_of_minus_infinity_gives_zeros_whatever_the_order(text, logits):
+    given = _masking_inputs()
+    S = given["S"].clone().requires_grad_()
+    used = {k: v for k, v in {**given, "S": S}.items() if f"{k}[" in text}
+    A = Equation(text)(**used)
+    L = logits(given)
+    dead = (L == -math.inf).all(-1, keepdim=True)
+    e = torch.exp(L - L.amax(-1, keepdim=True).masked_fill(dead, 0.0))
+    by_hand = torch.where(dead, 0.0, e / e.sum(-1, keepdim=True))
+    close(A, by_hand)
+    assert dead[0, 1] and torch.equal(A[0, 1], torch.zeros(σ, dtype=F64))
+    dA = randn(2, τ, σ, seed=24)
+    (dS,) = torch.autograd.grad(A, S, dA)
+    assert torch.isfinite(dS).all()
+    close(dS, by_hand * (dA - (by_hand * dA).sum(-1, keepdim=True)))  # softmax's backward
+
+
+def test_nan_in_the_logits_still_propagates():
+    S, M = randn(τ, σ, seed=25), torch.zeros(τ, σ, dtype=F64)
+    S[1, 3], M[2] = math.nan, -math.inf
+    S[2, 0] = math.nan  # NaN in a row whose every M is −∞: NaN, not zeros
+    for text in ("A[τ σ] = softmax_σ(S[τ σ] + M[τ σ])", "A[τ σ] = softmax_σ(M[τ σ] + S[τ σ])"):
+        A = Equation(text)(S=S, M=M)
+        assert A[1].isnan().all() and A[2].isnan().all() and not A[0].isnan().any()
+
+
+v_ = randn(τ, seed=31)
+NUMBERS = [  # a number or a Python scalar is computed in float64, never float32
+    ("O[τ] = v[τ] · exp(1)", {}, lambda: v_ * math.e),
+    ("O[τ] = v[τ] + log(c)", {"c": 3.0}, lambda: v_ + math.log(3.0)),
+    ("O[τ] = v[τ] · tanh(c)", {"c": 0.3}, lambda: v_ * math.tanh(0.3)),
+    ("O[τ] = v[τ] · max(c, 0.1)", {"c": 0.05}, lambda: v_ * 0.1),
+    ("O[τ] = max(v[τ], 0.1)", {}, lambda: torch.clamp(v_, min=0.1)),
+    ("O[τ] = max(0.1, v[τ]) + exp(c) · v[τ]", {"c": -1.3},
+     lambda: torch.clamp(v_, min=0.1) + math.exp(-1.3) * v_),
+    ("O[τ] = v[τ] + log(c)", {"c": 0}, lambda: v_ - math.inf),  # as torch: −∞, NaN, ∞
+    ("O[τ] = v[τ] + log(c)", {"c": -1.0}, lambda: v_ + math.nan),
+    ("O[τ] = v[τ] · exp(c)", {"c": 1000.0}, lambda: v_ * math.inf),
+    ("O[τ] = v[τ] · max(c, 2)", {"c": math.nan}, lambda: v_ + math.nan),
+]
+
+
+@pytest.mark.parametrize("text, scalars, reference", NUMBERS,
+                         ids=[f"{t} {s}" for t, s, _ in NUMBERS])
+def test_numbers_and_python_scalars_are_float64(text, scalars, reference):
+    torch.testing.assert_close(Equation(text)(v=v_, **scalars), reference(), rtol=1e-15,
+                               atol=1e-15, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_number_takes_the_dtype_of_the_tensor_it_meets(dtype):
+    v = v_.to(dtype)
+    for text, expected in (("O[τ] = max(v[τ], 0.1)", torch.clamp(v, min=0.1)),
+                           ("O[τ] = v[τ] · exp(1)", v * math.e),
+                           ("O[τ] = sum_τ(v[τ]) · exp(1) + v[τ]", v.sum() * math.e + v)):
+        out = Equation(text)(v=v)
+        assert out.dtype == dtype and torch.equal(out, expected)
+
+
+X_, U_, c_value = randn(τ, a, seed=41), randn(a, seed=42), 1.7
+ROUTED = [  # valid expressions that only the expression grammar reads
+    ("Y[τ] = c X[τ i] U[i]", lambda: c_value * (X_ @ U_)),
+    ("Y[τ] = X[τ i] c U[i]", lambda: c_value * (X_ @ U_)),
+    ("Y[τ] = (X[τ i] U[i])", lambda: X_ @ U_),
+    ("Y[τ] = X[τ i] (U[i])", lambda: X_ @ U_),
+    ("Y[τ] = (X[τ i]) (c U[i])", lambda: X_ @ (c_value * U_)),
+    ("Y[τ] = X[τ i] U[i] + .5", lambda: X_ @ U_ + 0.5),
+]
+
+
+@pytest.mark.parametrize("text, reference", ROUTED, ids=[t for t, _ in ROUTED])
+def test_scalars_and_parentheses_in_a_product_are_expressions(text, reference):
+    eq = Equation(text)
+    assert type(eq) is not Equation
+    close(eq(X=X_, U=U_, **({"c": c_value} if eq.scalars else {})), reference())
+
+
+@pytest.mark.parametrize("text", ["A[τ σ] = softmax_σ(S[τ σ])", "L[τ] = logsumexp_σ(S[τ σ])",
+                                  "A[τ σ] = softmax_σ(2 · S[τ σ])"])
+def test_softmax_of_integer_logits_is_an_error_naming_the_tensor(text):
+    S = torch.ones(τ, σ, dtype=torch.long)
+    with pytest.raises(EinattnError, match=r"^S is torch.int64: (softmax|logsumexp)_σ takes "
+                                           r"floating-point logits") as caught:
+        Equation(text)(S=S)
+    assert str(caught.value).splitlines()[1] == "  " + text
+    assert carets(str(caught.value)) == [text.index("S[")]
+
+
+def test_explain_of_a_longer_sum_under_a_softmax_shows_it_whole():
+    text = str(Equation("A[τ σ] = softmax_σ(S[τ σ] + B[τ σ] + M[τ σ])").explain(
+        S=(τ, σ), B=(τ, σ), M=(τ, σ)))
+    assert "entrywise    S[τ σ] + B[τ σ] + M[τ σ] -> [τ σ]" in text
+    assert "softmax      softmax_σ(S[τ σ] + B[τ σ] + M[τ σ]) -> [τ σ]" in text
+    assert "+ \n" not in text and not any(line.endswith("+ ") for line in text.splitlines())
+
+
+@pytest.mark.parametrize("text", [SOFTMAX, "C[τ σ] = c · tanh(S[τ σ] / c)",
+                                  "S[τ σ] = Q[τ a] K[σ a] / √a"])
+def test_an_equation_pickles_as_its_text(text):
+    eq = Equation(text)
+    given = {"S": randn(n, μ, τ, σ, seed=1), "M": dead_row_mask()} if text == SOFTMAX else \
+        {"S": randn(τ, σ, seed=1), "c": 2.0} if "c ·" in text else \
+        {"Q": randn(τ, a, seed=1), "K": randn(σ, a, seed=2)}
+    before = eq(**given)  # plans and closures made: none of them is pickled
+    again = pickle.loads(pickle.dumps(eq))
+    assert type(again) is type(eq) and again.text == text
+    assert torch.equal(again(**given), before)
+
+
 # -- LaTeX ------------------------------------------------------------------------------------
 
 LATEX = [
@@ -170,6 +323,19 @@ LATEX = [
      r"Z_{\tau b} = \frac{\left(A_{\tau \sigma} + B_{\tau \sigma}\right) V_{\sigma b}}"
      r"{\sqrt{d_{b}}}"),
     ("Y[τ] = log(2 · x[τ])", r"Y_{\tau} = \log\left(2 x_{\tau}\right)"),
+    # a sum keeps its parentheses after a minus, negated, or as a factor; numbers a \cdot
+    ("A[τ σ] = S[τ σ] - (S[τ σ] - M[τ σ])",
+     r"A_{\tau \sigma} = S_{\tau \sigma} - \left(S_{\tau \sigma} - M_{\tau \sigma}\right)"),
+    ("A[τ σ] = -(S[τ σ] + M[τ σ])",
+     r"A_{\tau \sigma} = -\left(S_{\tau \sigma} + M_{\tau \sigma}\right)"),
+    ("A[τ σ] = S[τ σ] + (−M[τ σ] + S[τ σ])",
+     r"A_{\tau \sigma} = S_{\tau \sigma} + \left(-M_{\tau \sigma} + S_{\tau \sigma}\right)"),
+    ("A[τ σ] = (S[τ σ] + M[τ σ]) + S[τ σ]",
+     r"A_{\tau \sigma} = S_{\tau \sigma} + M_{\tau \sigma} + S_{\tau \sigma}"),
+    ("A[τ σ] = 2 3 S[τ σ]", r"A_{\tau \sigma} = 2 \cdot 3 S_{\tau \sigma}"),
+    ("A[τ σ] = S[τ σ] · 2", r"A_{\tau \sigma} = S_{\tau \sigma} \cdot 2"),
+    ("A[τ σ] = (S[τ σ] + 1) / (2 · c)",
+     r"A_{\tau \sigma} = \frac{S_{\tau \sigma} + 1}{2 c}"),
 ]
 
 
@@ -252,6 +418,13 @@ ERRORS = [  # (message template, text, match, carets)
      [18]),
     ("{} is both a scalar and {}", "A[τ] = exp(τ) · S[τ]", r"τ is both a scalar and an index",
      [11]),
+    ("index {} survives on the right but is not on the left: reduce it (sum_{}, max_{}, …) or "
+     "put it on the left", "O[τ] = softmax_σ(S[τ σ])", r"index 'σ' survives on the right but "
+     r"is not on the left", [21]),
+    ("index {} survives on the right but is not on the left: reduce it (sum_{}, max_{}, …) or "
+     "put it on the left", "O[τ] = exp(softmax_σ(S[τ σ])) + 1", r"index 'σ' survives", [25]),
+    ("scale index {} appears on no tensor", "A[τ σ] = exp(S[τ σ]) / √c",
+     r"scale index 'c' appears on no tensor", [24]),
 ]
 
 
@@ -269,10 +442,13 @@ def test_call_errors_name_the_scalar_and_the_sizes():
     with pytest.raises(EinattnError, match=r"^missing scalar c: give it as a number") as caught:
         eq(S=S)
     assert carets(str(caught.value)) == [9, 27]
+    eq(S=S, c=1.0)  # a good call first: what follows is checked all the same
     for bad, shown in ((True, "True"), ("2", "str"), (torch.ones(2), r"a tensor of shape \(2,\)")):
         with pytest.raises(EinattnError, match=rf"^scalar c must be a number or a 0-d tensor, "
-                                               rf"got {shown}$"):
+                                               rf"got {shown}\n") as caught:
             eq(S=S, c=bad)
+        assert str(caught.value).splitlines()[1] == "  " + eq.text
+        assert carets(str(caught.value)) == [9, 27]
     with pytest.raises(EinattnError, match=r"index 'σ' has size 3 in M but 7 in S"):
         Equation(SOFTMAX)(S=randn(1, 1, τ, σ), M=randn(1, 1, τ, 3))
     with pytest.raises(EinattnError, match=r"M is torch.float32 but S is torch.float64"):
@@ -290,7 +466,8 @@ def test_every_raise_site_of_the_expression_language_has_a_case():
     package = Path(einattn.__file__).parent
     sites = _raise_sites(package / "_expression.py") | _raise_sites(package / "_expression_run.py")
     tested = {key for key, *_ in ERRORS} | {"missing scalar {}: give it as a number, {}=2.0",
-                                             "scalar {} must be a number or a 0-d tensor, got {}"}
+                                             "scalar {} must be a number or a 0-d tensor, got {}",
+                                             "{} is {}: {} takes floating-point logits"}
     assert sites == tested
 
 
