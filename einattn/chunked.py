@@ -3,13 +3,18 @@
 Queries are cut into blocks ``τ ∈ t`` and keys into blocks ``σ ∈ b``, both of
 ``block_size``. For each tile ``(t, b)``, in order, with ``μ = (g r)``::
 
-    S[n (g r) τ σ] = Q_t[n (g r) τ a] K_b[n g σ a] / √a     (then cap(S) + B + M)
-    m'[n μ τ]      = max(m[n μ τ], max_σ S[n μ τ σ])
-    P[n μ τ σ]     = exp(S[n μ τ σ] − m'[n μ τ])
-    l[n μ τ]       ← exp(m − m') l + Σ_σ P[n μ τ σ]
-    O[n (g r) τ a] ← exp(m − m') O + P[n (g r) τ σ] V_b[n g σ a]
+    S[n (g r) τ σ]     = Q_t[n (g r) τ a] K_b[n g σ a] / √a     (then cap(S) + B + M)
+    m_new[n μ τ]       = max(m[n μ τ], max_σ(S[n μ τ σ]))                         RUNNING_MAX
+    P[n μ τ σ]         = exp(S[n μ τ σ] − m_new[n μ τ])                                WEIGHTS
+    c[n μ τ]           = exp(m[n μ τ] − m_new[n μ τ])                                  RESCALE
+    l_new[n μ τ]       = c[n μ τ] · l[n μ τ] + sum_σ(P[n μ τ σ])                   RUNNING_SUM
+    O_new[n (g r) τ a] = c[n (g r) τ] · O[n (g r) τ a] + P[n (g r) τ σ] V_b[n g σ a]
 
-and at the end ``Z = O / l`` and ``lse = m + log l``, the log of the softmax denominator.
+the last RUNNING_VALUES, and at the end ``Z = O / l`` and ``lse = m + log l``, the log of
+the softmax denominator. Each line is an :class:`~einattn.notation.Equation` that the tile
+loop runs, but for WEIGHTS, which runs in the storage of the tile's S, as ``S.sub_(m_new)
+.exp_()`` (a fresh tile-sized tensor on every tile cost 20% of the forward; checked equal
+in tests/test_chunked.py).
 The pattern of equation (3) (:mod:`einattn.patterns`) is evaluated per tile from the
 indices: a tile it leaves empty is never visited, one it leaves fully visible gets no mask
 work, and a sink ``s_μ`` starts each row at ``m = s_μ``, ``l = 1`` (one more key whose
@@ -51,9 +56,16 @@ from . import patterns as _patterns
 from .errors import EinattnError
 from .notation import Equation
 
-# Forward, per tile: functional.attention_scores, S = Q_t K_b / √a, and
-# functional.weighted_values, O += P V_b, the equations (2g) and (4g) themselves ((2) and (4)
-# where g = μ). Backward, per tile:
+# Forward, per tile: functional.attention_scores, S = Q_t K_b / √a, equation (2g) itself
+# ((2) where g = μ); then the online softmax, equation (3) over the keys seen so far, with
+# (4g) inside its last line (m_new with −∞ read as 0 where no key is seen yet):
+RUNNING_MAX = Equation("m_new[n μ τ] = max(m[n μ τ], max_σ(S[n μ τ σ]))")
+WEIGHTS = Equation("P[n μ τ σ] = exp(S[n μ τ σ] − m_new[n μ τ])")
+RESCALE = Equation("c[n μ τ] = exp(m[n μ τ] − m_new[n μ τ])")
+RUNNING_SUM = Equation("l_new[n μ τ] = c[n μ τ] · l[n μ τ] + sum_σ(P[n μ τ σ])")
+RUNNING_VALUES = Equation("O_new[n (g r) τ a] = c[n (g r) τ] · O[n (g r) τ a] "
+                          "+ P[n (g r) τ σ] V_b[n g σ a]")
+# Backward, per tile:
 VALUE_GRADS = Equation("dV_b[n g σ a] = P[n (g r) τ σ] dZ_t[n (g r) τ a]")
 PROB_GRADS = Equation("dP[n (g r) τ σ] = dZ_t[n (g r) τ a] V_b[n g σ a]")
 QUERY_GRADS = Equation("dQ_t[n (g r) τ a] = dS[n (g r) τ σ] K_b[n g σ a] / √a")
@@ -261,13 +273,12 @@ def _tiled_forward(Q, K, V, mask, pattern, block_size: int):
         tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
         _, S = _tile_logits(Q, K, mask, pattern, at, tile, acc)
         m_old = m[:, :, tau]
-        m_new = torch.maximum(m_old, S.amax(dim=-1))
+        m_new = RUNNING_MAX(m=m_old, S=S)
         m_safe = m_new.masked_fill(m_new == -_INF, 0.0)  # no key yet: exp(−∞ − 0) = 0
-        P = S.sub_(m_safe[..., None]).exp_()  # in place: S is not needed again
-        rescale = torch.exp(m_old - m_safe)
-        l[:, :, tau].mul_(rescale).add_(P.sum(dim=-1))  # the running statistics, in place
-        PV = _functional.weighted_values(P, V[:, :, sigma])
-        O[:, :, tau].mul_(rescale[..., None]).add_(PV)
+        P = S.sub_(m_safe[..., None]).exp_()  # WEIGHTS, in S's memory (a tile, not two)
+        c = RESCALE(m=m_old, m_new=m_safe)
+        l[:, :, tau] = RUNNING_SUM(c=c, l=l[:, :, tau], P=P)
+        O[:, :, tau] = RUNNING_VALUES(c=c, O=O[:, :, tau], P=P, V_b=V[:, :, sigma])
         m[:, :, tau] = m_new
     dead = l == 0  # no admissible key (or L_k = 0), no sink: Z = 0, lse = m + log 0 = −∞
     Z = O.div_(l.masked_fill(dead, 1.0)[..., None]).to(out_dtype)  # in O's memory

@@ -537,3 +537,29 @@ def test_docs_show_the_equations_the_code_runs():
     for equation in (F.SCORES_GQA, F.VALUES_GQA, chunked.VALUE_GRADS, chunked.PROB_GRADS,
                      chunked.QUERY_GRADS, chunked.KEY_GRADS):
         assert equation.text in doc, equation
+
+
+def test_the_online_softmax_equations_over_tiles_are_the_softmax():
+    """RUNNING_MAX, WEIGHTS, RESCALE, RUNNING_SUM and RUNNING_VALUES, run tile by tile over
+    three blocks of keys (the first fully masked for one row, from m = −∞), end at
+    Z = O / l = softmax_σ(S) V with GQA; WEIGHTS equals the tile loop's in-place form."""
+    n, g, r, L_q, a = 2, 3, 2, 5, 4
+    S = randn(n, g * r, L_q, 11, seed=1)
+    S[0, 4, 2, :4] = -torch.inf  # this row sees no key in the first block
+    V = randn(n, g, 11, a, seed=2)
+    m = torch.full((n, g * r, L_q), -torch.inf, dtype=torch.float64)
+    total, out = torch.zeros_like(m), torch.zeros(n, g * r, L_q, a, dtype=torch.float64)
+    for keys in (slice(0, 4), slice(4, 7), slice(7, 11)):
+        S_b = S[..., keys]
+        m_new = chunked.RUNNING_MAX(m=m, S=S_b)
+        m_safe = m_new.masked_fill(m_new == -torch.inf, 0.0)
+        P = chunked.WEIGHTS(S=S_b, m_new=m_safe)
+        assert torch.equal(P, S_b.clone().sub_(m_safe[..., None]).exp_())
+        c = chunked.RESCALE(m=m, m_new=m_safe)
+        total = chunked.RUNNING_SUM(c=c, l=total, P=P)
+        out = chunked.RUNNING_VALUES(c=c, O=out, P=P, V_b=V[:, :, keys])
+        m = m_new
+    A = torch.softmax(S, dim=-1)
+    expected = (A.unflatten(1, (g, r)) @ V[:, :, None]).flatten(1, 2)
+    assert_close_scaled(out / total[..., None], expected, TOL[torch.float64])
+    assert_close_scaled(m + total.log(), S.logsumexp(-1), TOL[torch.float64])
