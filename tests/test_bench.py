@@ -542,3 +542,27 @@ def test_pattern_memory_sees_the_gradients(monkeypatch):
     row = bench.measure_pattern_memory(bench.PatternSize(1, 4, 64, 64, 128), 2048, ("chunked",))
     assert row.errors == {} and set(row.growth) == {"chunked"}
     assert row.growth["chunked"] >= 3 * 4 * 2048 * 64 * 4
+
+
+def test_decoding_targets_read_the_longest_context():
+    """Issue 24's four targets, at context 4096 only: sdpa and einsum against the
+    hand-written loops, chunked against einattn's sdpa; a row at another context is not
+    read."""
+    long, short, t = bench.DECODING_SIZES[-1], bench.DECODING_SIZES[0], bench.Timing
+    report = bench.Report(bench.Settings.build(sections=("decoding",)))
+
+    def row(size, **medians):
+        return bench.DecodingRow(size, "per token", {k: t((m,), 1) for k, m in medians.items()},
+                                 dict.fromkeys(medians, 0.0), dict.fromkeys(medians, 0))
+
+    report.decoding.rows = [row(long, sdpa=1.0, einsum=1.5, chunked=1.31, hand_cat=2.0,
+                                hand_prealloc=0.86),
+                            row(short, sdpa=9.0, einsum=9.0, chunked=9.0, hand_cat=1.0,
+                                hand_prealloc=1.0)]
+    where = f"{long.label} per token"
+    assert verdicts(report) == {
+        ("decoding: sdpa ≤ 0.6× the torch.cat loop", where): "PASS",
+        ("decoding: sdpa ≤ 1.15× the preallocated loop", where): "FAIL",
+        ("decoding: einsum ≤ 0.7× the torch.cat loop", where): "FAIL",
+        ("decoding: chunked ≤ 1.3× einattn sdpa", where): "FAIL",
+    }

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .patterns import why_no_memory
-from .settings import PATTERN_MEMORY_LENGTHS, PATTERN_SIZES, SIZES
+from .settings import DECODING_SIZES, PATTERN_MEMORY_LENGTHS, PATTERN_SIZES, SIZES
 
 if TYPE_CHECKING:
     from .report import Report
@@ -137,8 +137,31 @@ def _layer(report: Report) -> list[Target]:
     ]
 
 
+def _decoding(report: Report) -> list[Target]:
+    """Issue 24's targets at the longest context: a step of einattn against the hand-written
+    loops, with a ``torch.cat`` cache and with a preallocated one, and chunked against
+    einattn's sdpa."""
+    size = DECODING_SIZES[-1]
+    rows = [r for r in report.decoding.rows if r.size == size]
+    where = f"{size.label} per token"
+    return [
+        *_against(report, "decoding: sdpa ≤ 0.6× the torch.cat loop", "sdpa", "hand_cat",
+                  0.6, rows, where, {}),
+        *_against(report, "decoding: sdpa ≤ 1.15× the preallocated loop", "sdpa",
+                  "hand_prealloc", 1.15, rows, where, {}),
+        *_against(report, "decoding: einsum ≤ 0.7× the torch.cat loop", "einsum", "hand_cat",
+                  0.7, rows, where, {}),
+        *_against(report, "decoding: chunked ≤ 1.3× einattn sdpa", "chunked", "sdpa", 1.3,
+                  rows, where, {}),
+    ]
+
+
+_SECTIONS = {"layer": _layer, "patterns": _patterns, "decoding": _decoding}
+
+
 def targets(report: Report) -> list[Target]:
     """The targets of the sections run: the layer's read from its non-causal rows (causal
-    rows are informational), the patterns' from issue 19's size."""
-    layer = _layer(report) if "layer" in report.settings.sections else []
-    return layer + (_patterns(report) if "patterns" in report.settings.sections else [])
+    rows are informational), the patterns' from issue 19's size, decoding's at the longest
+    context."""
+    return [t for name, section in _SECTIONS.items() if name in report.settings.sections
+            for t in section(report)]
