@@ -80,7 +80,7 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
     layer.device_mesh = device_mesh
     layer.n_local_heads, layer.n_local_kv_heads = layer.n_heads // w, g // w
     layer.local_heads = range(k * layer.n_local_heads, (k + 1) * layer.n_local_heads)
-    layer.__class__ = _head_parallel_class(type(layer))
+    layer.__class__ = _parallel_class(HeadParallel, type(layer))
     layer.register_forward_pre_hook(HeadParallel._to_local_heads, with_kwargs=True)
     layer.register_forward_hook(HeadParallel._to_all_heads, prepend=True)  # before others
     return layer
@@ -217,14 +217,15 @@ class HeadParallel:
                 f"local heads μ={self.local_heads.start}..{self.local_heads.stop - 1}")
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _head_parallel_class(cls: type) -> type:
-    """``HeadParallel<cls>``, a subclass of :class:`HeadParallel` and ``cls``, made once."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"HeadParallel{cls.__name__}", (HeadParallel, cls), {})
-    return _CLASSES[cls]
+def _parallel_class(kind: type, cls: type) -> type:
+    """``<kind><cls>`` (``HeadParallelMultiHeadAttention``), a subclass of ``kind`` (what
+    a parallelism adds) and ``cls``, made once."""
+    if (kind, cls) not in _CLASSES:
+        _CLASSES[kind, cls] = type(f"{kind.__name__}{cls.__name__}", (kind, cls), {})
+    return _CLASSES[kind, cls]
 
 
 def _replicated(t, mesh: DeviceMesh):
@@ -279,7 +280,7 @@ def shard_sequence(layer: MultiHeadAttention, device_mesh: DeviceMesh, *,
                            "call, which each rank sees differently: use another rope_type")
     layer.device_mesh, layer.layout = device_mesh, layout
     layer.ring = ring.Ring(device_mesh.get_group(), layout)
-    layer.__class__ = _sequence_parallel_class(type(layer))
+    layer.__class__ = _parallel_class(SequenceParallel, type(layer))
     return layer
 
 
@@ -356,16 +357,6 @@ class SequenceParallel:
         return (f"{super().extra_repr()}, sequence over a mesh of size "
                 f"{self.device_mesh.size()}, layout={self.layout!r}")
 
-
-_SEQUENCE_CLASSES: dict[type, type] = {}
-
-
-def _sequence_parallel_class(cls: type) -> type:
-    """``SequenceParallel<cls>``, a subclass of :class:`SequenceParallel` and ``cls``."""
-    if cls not in _SEQUENCE_CLASSES:
-        _SEQUENCE_CLASSES[cls] = type(f"SequenceParallel{cls.__name__}",
-                                      (SequenceParallel, cls), {})
-    return _SEQUENCE_CLASSES[cls]
 
 
 _ELSEWHERE = {

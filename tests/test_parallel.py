@@ -417,13 +417,14 @@ def test_forward_is_the_layers_own():
     MultiHeadAttention.forward (cache=, positions=, ...), now and after any that is added;
     a subclass of the layer keeps its own forward too."""
     assert "forward" not in vars(par.HeadParallel)
-    assert par._head_parallel_class(MultiHeadAttention).forward is MultiHeadAttention.forward
+    sharded = par._parallel_class(par.HeadParallel, MultiHeadAttention)
+    assert sharded.forward is MultiHeadAttention.forward
 
     class Mine(MultiHeadAttention):
         def forward(self, x, *, scale: float = 1.0):
             return super().forward(x) * scale
 
-    assert par._head_parallel_class(Mine).forward is Mine.forward
+    assert par._parallel_class(par.HeadParallel, Mine).forward is Mine.forward
 
 
 @pytest.mark.parametrize("name", list(SINGLE_PROCESS_ERRORS))
