@@ -102,8 +102,12 @@ class KVCache:
         documents of packed sequences, ``d[n σ]``, are kept as :attr:`document_ids`: a
         cache that has them needs them on every call."""
         self._check(K, V, key_padding_mask)
-        self._append_ids(document_ids, K)
         before = len(self)
+        if self.max_length is not None and before + K.shape[2] > self.max_length:
+            raise EinattnError(f"the cache holds at most max_length={self.max_length} positions, "
+                               f"but {before} cached and {K.shape[2]} new make "
+                               f"{before + K.shape[2]}")
+        self._append_ids(document_ids, K)
         self.K, self.V = self._stored(K, V, before)
         if self.padding is not None or key_padding_mask is not None:
             n, L = K.shape[0], K.shape[2]
@@ -116,9 +120,6 @@ class KVCache:
         """Every cached position's keys and values with this call's written after the
         ``before`` cached ones: views of the storage, grown where it is full."""
         L = before + K.shape[2]
-        if self.max_length is not None and L > self.max_length:
-            raise EinattnError(f"the cache holds at most max_length={self.max_length} positions, "
-                               f"but {before} cached and {K.shape[2]} new make {L}")
         if torch.is_grad_enabled() and (K.requires_grad or V.requires_grad):
             self._storage = None  # autograd saved the earlier steps' tensors: none is written
             return (K, V) if self.K is None else (torch.cat([self.K, K], dim=2),

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import chunked, patterns
+from . import _autocast, chunked, patterns
 from .errors import EinattnError
 from .notation import Equation
 
@@ -182,10 +182,18 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
     """This rank's ``Z[n μ τ a]``: its queries against every rank's keys and values, as
     one process would compute it over the whole sequence with the pattern ``terms`` and
     the sink logits ``sinks`` ``s[μ]``; differentiable (the backward pass goes round the
-    ring too). ``key_padding_mask``: this rank's ``(n, L_local)``, True = padding."""
-    padding = None if key_padding_mask is None else key_padding_mask.to(torch.uint8)
-    return _RingAttention.apply(Q, K.contiguous(), V.contiguous(), padding, sinks,
-                                (ring, terms, block_size))
+    ring too). ``key_padding_mask``: this rank's ``(n, L_local)``, True = padding. Under
+    ``torch.autocast`` Q, K, V are cast to its dtype first and the ring runs outside it, as
+    the chunked path does, so that its backward recomputes the forward's numbers."""
+    padding = None if key_padding_mask is None else \
+        key_padding_mask.to(torch.uint8).contiguous()  # what is sent must be contiguous
+    low = _autocast.dtype(Q.device)
+    if low is None:
+        return _RingAttention.apply(Q, K.contiguous(), V.contiguous(), padding, sinks,
+                                    (ring, terms, block_size))
+    with torch.autocast(Q.device.type, enabled=False):  # the same numbers forward, backward
+        return _RingAttention.apply(Q.to(low), K.to(low).contiguous(), V.to(low).contiguous(),
+                                    padding, sinks, (ring, terms, block_size))
 
 
 def _slices(L_local: int, n_held: int) -> list[slice]:
@@ -222,7 +230,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dZ):
         Q, K, V, padding, sinks, Z, lse = ctx.saved_tensors
         lse = chunked.for_backward(lse)
-        dQ, dK, dV = _backward(Q, K, V, padding, Z, lse, dZ, *ctx.how)
+        with torch.autocast(dZ.device.type, enabled=False):
+            dQ, dK, dV = _backward(Q, K, V, padding, Z, lse, dZ, *ctx.how)
         D = (dZ.to(Z.dtype) * Z).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z
         return dQ, dK, dV, None, chunked._sink_grad(sinks, lse, D), None
 

@@ -259,6 +259,12 @@ def test_max_length_is_made_once_and_refuses_more():
                                                r"positions, but 8 cached and 1 new make 9"):
             cache.append(*_kv(1, seed=3))
     assert len(cache) == 8 and "max_length=8" in repr(cache)
+    ids = KVCache(max_length=4)  # a refused append keeps nothing of the call, ids included
+    with torch.no_grad():
+        ids.append(*_kv(3, seed=4), document_ids=torch.zeros(N, 3, dtype=torch.long))
+        with pytest.raises(EinattnError, match=r"but 3 cached and 3 new make 6"):
+            ids.append(*_kv(3, seed=5), document_ids=torch.ones(N, 3, dtype=torch.long))
+    assert len(ids) == 3 and ids.document_ids.shape == (N, 3)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(EinattnError, match=rf"max_length .* must be a positive int, "
                                                rf"got {bad!r}"):

@@ -70,7 +70,8 @@ def compare(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
         return None if t is None else par.split_sequence(t, mesh, layout=layout)
 
     x_k = mine(x.detach()).requires_grad_()
-    Y_k = lay(x_k, key_padding_mask=mine(pad))
+    pad_k = None if pad is None else mine(pad).T.contiguous().T  # strided, as a slice is
+    Y_k = lay(x_k, key_padding_mask=pad_k)
     (Y_k * mine(T)).sum().backward()
     errors = {"Y": scaled_error(par.gather_sequence(Y_k.detach(), mesh, layout=layout),
                                 ref(x, key_padding_mask=pad).detach()),
