@@ -4,6 +4,7 @@ from .cache import KVCache
 from .errors import EinattnError
 from .module import MultiHeadAttention
 from .notation import Equation
+from .static_cache import StaticKVCache
 
-__all__ = ["EinattnError", "Equation", "KVCache", "MultiHeadAttention"]
+__all__ = ["EinattnError", "Equation", "KVCache", "MultiHeadAttention", "StaticKVCache"]
 __version__ = "0.1.0"

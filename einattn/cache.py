@@ -73,6 +73,10 @@ class KVCache:
             self.K, self.V, self.padding, self.document_ids, self._storage = saved
             raise
 
+    def placed(self, positions, L: int, device) -> tuple[torch.Tensor | None, int]:
+        """RoPE's positions of a call's tokens: as given, else after the cached ones."""
+        return positions, len(self)
+
     def reset(self) -> None:
         """Forget every cached token (a new sequence). A ``max_length`` cache keeps its
         storage for the next sequence, which then writes over the views of this one."""
@@ -152,21 +156,7 @@ class KVCache:
 
     def _check(self, K: torch.Tensor, V: torch.Tensor,
                key_padding_mask: torch.Tensor | None) -> None:
-        for name, t in (("K", K), ("V", V)):
-            if not isinstance(t, torch.Tensor) or t.ndim != 4:
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise EinattnError(f"the new {name}[n g σ a] must be a 4-D tensor, got {shape}")
-        if V.shape != K.shape or V.dtype != K.dtype or V.device != K.device:
-            raise EinattnError(f"every new key K[n g σ a] needs its value V[n g σ a]: K is "
-                               f"{tuple(K.shape)} {K.dtype} on {K.device} but V is "
-                               f"{tuple(V.shape)} {V.dtype} on {V.device}")
-        n, L = K.shape[0], K.shape[2]
-        if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
-                                             or key_padding_mask.shape != (n, L)):
-            raise EinattnError(
-                f"with a cache, key_padding_mask marks this call's new keys: a bool (n, σ) = "
-                f"({n}, {L}) tensor, True = padding, got {key_padding_mask.dtype} "
-                f"{tuple(key_padding_mask.shape)}")
+        check_new(K, V, key_padding_mask)
         if self.K is not None:
             for index, axis in (("n", 0), ("g", 1), ("a", 3)):
                 if K.shape[axis] != self.K.shape[axis]:
@@ -177,6 +167,25 @@ class KVCache:
             if K.dtype != self.K.dtype or K.device != self.K.device:
                 raise EinattnError(f"new keys are {K.dtype} on {K.device} but the cache holds "
                                    f"{self.K.dtype} on {self.K.device}")
+
+
+def check_new(K: torch.Tensor, V: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:
+    """A call's new keys and values ``[n g σ a]``, alike, and its key padding ``(n, σ)``."""
+    for name, t in (("K", K), ("V", V)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise EinattnError(f"the new {name}[n g σ a] must be a 4-D tensor, got {shape}")
+    if V.shape != K.shape or V.dtype != K.dtype or V.device != K.device:
+        raise EinattnError(f"every new key K[n g σ a] needs its value V[n g σ a]: K is "
+                           f"{tuple(K.shape)} {K.dtype} on {K.device} but V is "
+                           f"{tuple(V.shape)} {V.dtype} on {V.device}")
+    n, L = K.shape[0], K.shape[2]
+    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
+                                         or key_padding_mask.shape != (n, L)):
+        raise EinattnError(
+            f"with a cache, key_padding_mask marks this call's new keys: a bool (n, σ) = "
+            f"({n}, {L}) tensor, True = padding, got {key_padding_mask.dtype} "
+            f"{tuple(key_padding_mask.shape)}")
 
 
 def _fits(storage: torch.Tensor, K: torch.Tensor) -> bool:
@@ -191,9 +200,13 @@ def _no_padding(n: int, L: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def check_cache(cache, context) -> None:
-    """``cache`` is a :class:`KVCache`, used for self-attention."""
-    if not isinstance(cache, KVCache):
-        raise EinattnError(f"cache must be an einattn.KVCache, got {type(cache).__name__}")
+    """``cache`` is a :class:`KVCache` or a :class:`~einattn.static_cache.StaticKVCache`,
+    used for self-attention."""
+    from .static_cache import StaticKVCache
+
+    if not isinstance(cache, (KVCache, StaticKVCache)):
+        raise EinattnError(f"cache must be an einattn.KVCache or StaticKVCache, got "
+                           f"{type(cache).__name__}")
     if context is not None:
         raise EinattnError("a KVCache holds self-attention's keys and values; with a context "
                            "they would be appended again on every call: drop the cache or the "

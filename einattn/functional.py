@@ -30,6 +30,7 @@ from . import patterns as _patterns
 from .cache import KVCache, check_cache
 from .errors import EinattnError
 from .notation import Equation
+from .static_cache import StaticKVCache
 
 PROJECT = Equation("P[n τ μ B a] = X[n τ i] W[(μ B a) i]")
 SCORES = Equation("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a")
@@ -330,24 +331,37 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     if cache is not None:
         check_cache(cache, context)
     Q, K, V = _projected(x, W, b, context, W_KV, b_KV, n_heads, n_kv_heads, W_O)
+    positions, offset = (positions, 0) if cache is None or rope is None else \
+        cache.placed(positions, x.shape[1], x.device)
     Q, K = rotary.turned(Q, K, (rope, rope_base, rope_scaling, rotary_dim), positions,
-                         offset=0 if cache is None else len(cache), cross=context is not None)
+                         offset=offset, cross=context is not None)
     terms = _terms(window, softcap, alibi, sinks, document_ids)
     # run's arguments by position (why: docs/performance.md, "How the fast paths are fast")
     how = (mask, causal, terms, dropout, impl, block_size, need_weights or return_intermediates)
     if cache is None:
         stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, *how)
     else:
-        with cache.undo_on_error():  # this call's K and V join it; if it raises, it leaves them
-            K, V, key_padding_mask = cache.append(K, V, key_padding_mask, document_ids)
-            if document_ids is not None:  # the queries' documents and the cached keys'
-                how = (mask, causal, {**terms, "document_ids": cache.document_ids}, *how[3:])
-            stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, *how)
+        K, V, stages = _cached(cache, _scaled(Q, scale), K, V, key_padding_mask, document_ids,
+                               how)
     Y = combine_heads(stages["Z"], W_O, b_O)
     if return_intermediates:  # Q itself: s · √a is folded into (2)–(4)'s copy only
         return Y, {"Q": Q, "K": K, "V": V, **stages,
                    "Y_μ": head_contributions(stages["Z"], W_O), "Y": Y}
     return (Y, stages["A"]) if need_weights else Y
+
+
+def _cached(cache, Q, K, V, key_padding_mask, document_ids, how: tuple):
+    """K, V and (2)–(4) with a cache: this call's K and V join it (a call that raises leaves
+    it as it was) and the queries attend over what it holds: the filled positions of a
+    KVCache, every position of a StaticKVCache with those not filled masked."""
+    mask, causal, terms = how[:3]
+    with cache.undo_on_error():
+        K, V, key_padding_mask = cache.append(K, V, key_padding_mask, document_ids)
+        if isinstance(cache, StaticKVCache):
+            how = (cache.visible(Q.shape[2], causal, mask, terms), False, *how[2:])
+        elif document_ids is not None:  # the queries' documents and the cached keys'
+            how = (mask, causal, {**terms, "document_ids": cache.document_ids}, *how[3:])
+        return K, V, _paths.run(Q, K, V, key_padding_mask, *how)
 
 
 def _projected(x, W, b, context, W_KV, b_KV, n_heads: int, n_kv_heads, W_O):

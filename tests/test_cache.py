@@ -216,7 +216,8 @@ def test_the_cache_refuses_a_context_and_other_objects():
     layer = _layer(None, None, "einsum")
     with pytest.raises(EinattnError, match=r"a KVCache holds self-attention's keys and values"):
         layer(_ones(3), _ones(5), cache=KVCache())
-    with pytest.raises(EinattnError, match=r"cache must be an einattn.KVCache, got dict"):
+    with pytest.raises(EinattnError, match=r"cache must be an einattn.KVCache or "
+                                           r"StaticKVCache, got dict"):
         layer(_ones(3), cache={})
 
 

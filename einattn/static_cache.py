@@ -1,0 +1,136 @@
+"""``StaticKVCache``: a key/value cache of one fixed shape, for a compiled decoding step.
+
+:class:`~einattn.KVCache` hands attention the filled part of its storage, whose length
+grows by one every step, so a compiled step sees a new shape each time (``torch.compile``
+makes the length symbolic after its second call). Here every call sees the same shapes:
+the storage holds ``max_length`` positions from the first call, the number filled so far
+is a tensor ``f`` (no Python number changes from step to step), a call writes its ``L``
+keys and values at positions ``f … f + L − 1`` (``index_copy_``), and attention runs over
+all ``max_length`` positions, with the mask
+
+    M[τ σ] = 0 where σ ≤ f + τ (causal; without causal, σ < f + L), −∞ elsewhere
+
+which hides the positions not filled yet and aligns the causal rule at the queries'
+positions ``f + τ``; RoPE turns the queries and keys at those positions. The work per
+step is that of ``max_length`` keys, whatever the number filled: the price of one shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from .cache import check_new
+from .errors import EinattnError
+
+
+class StaticKVCache:
+    """Keys, values and key padding of up to ``max_length`` tokens, in storage of that size
+    made at the first call (zeros, so that a position not filled holds nothing that could
+    turn NaN behind its mask).
+
+    >>> cache = StaticKVCache(max_length=8)
+    >>> K, V, pad = cache.append(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    >>> len(cache), tuple(K.shape), pad.tolist()
+    (3, (1, 2, 8, 4), [[False, False, False, True, True, True, True, True]])
+    """
+
+    def __init__(self, max_length: int) -> None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise EinattnError(f"max_length (the positions σ a StaticKVCache holds) must be a "
+                               f"positive int, got {max_length!r}")
+        self.max_length = max_length
+        self.K: torch.Tensor | None = None  # [n g max_length a], every position
+        self.V: torch.Tensor | None = None
+        self.padding: torch.Tensor | None = None  # (n, max_length), True = padding or empty
+        self.filled: torch.Tensor | None = None  # f: how many positions are filled, 0-d
+
+    def __len__(self) -> int:
+        """The number of filled positions (reads the tensor ``filled``: not for compiled
+        code)."""
+        return 0 if self.filled is None else int(self.filled)
+
+    def __repr__(self) -> str:
+        return f"StaticKVCache(length={len(self)}, max_length={self.max_length})"
+
+    def reset(self) -> None:
+        """Start a new sequence in the same storage."""
+        if self.filled is not None:
+            self.filled.zero_()
+            self.padding.fill_(True)
+
+    @contextmanager
+    def undo_on_error(self) -> Iterator[None]:
+        """A call that fails leaves the count filled as it was (what it wrote lies beyond
+        it, masked)."""
+        saved = None if self.filled is None else self.filled.clone()
+        try:
+            yield
+        except BaseException:
+            if saved is not None:
+                self.filled.copy_(saved)
+            raise
+
+    def placed(self, positions, L: int, device) -> tuple[torch.Tensor, int]:
+        """RoPE's positions of a call's ``L`` tokens, ``f … f + L − 1``, and offset 0."""
+        if positions is not None:
+            raise EinattnError("a StaticKVCache places the tokens at the positions it has "
+                               "filled; drop positions=")
+        start = torch.zeros((), dtype=torch.long, device=device) if self.filled is None \
+            else self.filled
+        return start + torch.arange(L, device=device), 0
+
+    def append(self, K: torch.Tensor, V: torch.Tensor,
+               key_padding_mask: torch.Tensor | None = None, document_ids=None):
+        """Write this call's ``K[n g σ a]``, ``V[n g σ a]`` and key padding at positions
+        ``f … f + L − 1``; return the whole storage ``(K, V, padding)``, the positions not
+        filled marked as padding."""
+        if document_ids is not None:
+            raise EinattnError("a StaticKVCache keeps no document_ids; use KVCache")
+        check_new(K, V, key_padding_mask)
+        n, L = K.shape[0], K.shape[2]
+        if L > self.max_length:
+            raise EinattnError(f"a call of {L} positions does not fit a StaticKVCache of "
+                               f"max_length={self.max_length}")
+        if self.K is None:
+            self._make(K)
+        elif self.K.shape[:2] != K.shape[:2] or self.K.shape[3] != K.shape[3] \
+                or self.K.dtype != K.dtype or self.K.device != K.device:
+            raise EinattnError(f"the new keys are {tuple(K.shape)} {K.dtype} on {K.device} but "
+                               f"the cache holds K[n g σ a] of {tuple(self.K.shape)} "
+                               f"{self.K.dtype} on {self.K.device}: make another StaticKVCache")
+        if not torch.compiler.is_compiling() and int(self.filled) + L > self.max_length:
+            raise EinattnError(f"the cache holds at most max_length={self.max_length} "
+                               f"positions, but {int(self.filled)} filled and {L} new make "
+                               f"{int(self.filled) + L}")
+        where = self.filled + torch.arange(L, device=K.device)
+        self.K.index_copy_(2, where, K)
+        self.V.index_copy_(2, where, V)
+        new = torch.zeros(n, L, dtype=torch.bool, device=K.device) if key_padding_mask is None \
+            else key_padding_mask
+        self.padding.index_copy_(1, where, new)
+        self.filled.add_(L)
+        return self.K, self.V, self.padding
+
+    def _make(self, K: torch.Tensor) -> None:
+        n, g, _, a = K.shape
+        self.K = K.new_zeros(n, g, self.max_length, a)
+        self.V = K.new_zeros(n, g, self.max_length, a)
+        self.padding = torch.ones(n, self.max_length, dtype=torch.bool, device=K.device)
+        self.filled = torch.zeros((), dtype=torch.long, device=K.device)
+
+    def visible(self, L: int, causal: bool, mask, terms) -> torch.Tensor:
+        """``M`` as a bool mask ``(τ, σ)`` over every position, after this call's ``L``
+        were appended: key σ ≤ f + τ (causal) or σ < f + L, with f counted before them. A
+        mask or pattern of the caller's would be aligned with positions it cannot see."""
+        if mask is not None or terms is not None:
+            raise EinattnError("a StaticKVCache takes causal and key_padding_mask; a mask or "
+                               "an attention pattern (window, ALiBi, softcap, sinks, "
+                               "documents) needs KVCache")
+        sigma = torch.arange(self.max_length, device=self.K.device)
+        if not causal:
+            return (sigma < self.filled).expand(L, self.max_length)
+        first = self.filled - L  # this call's first position
+        return sigma[None, :] <= first + torch.arange(L, device=self.K.device)[:, None]

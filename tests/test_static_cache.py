@@ -1,0 +1,117 @@
+"""einattn.StaticKVCache: one shape for every decoding step, so that a compiled step is
+compiled once; checked against the layer's causal forward over the whole sequence, in
+float64, eager and compiled, on every impl with grouped-query attention and RoPE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from einattn import EinattnError, MultiHeadAttention, StaticKVCache
+from tests.conftest import TOL, assert_close_scaled, randn
+
+F64 = torch.float64
+N, L, D, H, G = 2, 9, 12, 6, 2  # a prompt of 3, then 6 one-token steps; max_length 11
+
+
+def decoder(impl: str, causal: bool = True) -> MultiHeadAttention:
+    torch.manual_seed(0)
+    return MultiHeadAttention(D, H, d_head=4, n_kv_heads=G, rope="half", causal=causal,
+                              impl=impl, dtype=F64, block_size=3).eval()
+
+
+def decode(step, x, cache, padding=None):
+    """A prompt of 3 tokens, then one token a call."""
+    cuts = [(0, 3)] + [(t, t + 1) for t in range(3, x.shape[1])]
+    with torch.no_grad():
+        return torch.cat([step(x[:, a:b], cache=cache, key_padding_mask=None if padding is None
+                               else padding[:, a:b]) for a, b in cuts], dim=1)
+
+
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_decoding_equals_one_causal_forward_and_compiles_once_per_shape(impl, compiled):
+    """Compiled with dynamic=False: one graph for the prompt, one for every later step."""
+    layer, x = decoder(impl), randn(N, L, D, seed=1)
+    counter = CompileCounter()
+    step = torch.compile(layer, backend=counter, fullgraph=True, dynamic=False) \
+        if compiled else layer
+    cache = StaticKVCache(max_length=11)
+    assert_close_scaled(decode(step, x, cache), layer(x), TOL[F64])
+    assert len(cache) == L and cache.K.shape == (N, G, 11, 4)
+    assert counter.frame_count == (2 if compiled else 0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_padding_over_calls_and_reset(causal):
+    """Padding marked call by call equals the whole sequence's key_padding_mask; after
+    reset() the same storage decodes another sequence."""
+    layer, x = decoder("sdpa", causal), randn(N, L, D, seed=2)
+    padding = torch.zeros(N, L, dtype=torch.bool)
+    padding[0, 1], padding[1, 4:6] = True, True
+    cache = StaticKVCache(max_length=L)
+    full = layer(x, key_padding_mask=padding)
+    if causal:
+        assert_close_scaled(decode(layer, x, cache, padding), full, TOL[F64])
+    else:  # without causal each call sees the keys so far; its last row sees them all
+        decode(layer, x[:, :-1], cache, padding[:, :-1])
+        with torch.no_grad():
+            last = layer(x[:, -1:], cache=cache, key_padding_mask=padding[:, -1:])
+        assert_close_scaled(last, full[:, -1:], TOL[F64])
+    storage = cache.K.untyped_storage().data_ptr()
+    cache.reset()
+    y = randn(N, L, D, seed=3)
+    assert_close_scaled(decode(layer, y, cache), decoder("sdpa", causal)(y) if causal else
+                        decode(layer, y, StaticKVCache(max_length=L)), TOL[F64])
+    assert cache.K.untyped_storage().data_ptr() == storage
+
+
+def test_a_failed_call_leaves_the_count_filled():
+    layer, x = decoder("einsum"), randn(N, L, D, seed=4)
+    cache = StaticKVCache(max_length=L)
+    decode(layer, x[:, :5], cache)
+    with pytest.raises(EinattnError, match=r"key_padding_mask marks this call's new keys: a "
+                                           r"bool \(n, σ\) = \(2, 1\) tensor"):
+        layer(x[:, 5:6], cache=cache, key_padding_mask=torch.zeros(N, 4, dtype=torch.bool))
+    assert len(cache) == 5
+    with torch.no_grad():
+        rest = torch.cat([layer(x[:, t:t + 1], cache=cache) for t in range(5, L)], dim=1)
+    assert_close_scaled(rest, layer(x)[:, 5:], TOL[F64])
+
+
+ERRORS = {
+    "max_length": (lambda: StaticKVCache(max_length=0),
+                   r"max_length \(the positions σ a StaticKVCache holds\) must be a positive "
+                   r"int, got 0"),
+    "too long a call": (lambda: decoder("einsum")(randn(N, 5, D, seed=5),
+                                                  cache=StaticKVCache(max_length=4)),
+                        r"a call of 5 positions does not fit a StaticKVCache of max_length=4"),
+    "full": (lambda: [decoder("einsum")(randn(N, 3, D, seed=6), cache=c)
+                      for c in [StaticKVCache(max_length=5)] for _ in range(2)],
+             r"the cache holds at most max_length=5 positions, but 3 filled and 3 new make 6"),
+    "positions": (lambda: decoder("einsum")(randn(N, 3, D, seed=7), cache=StaticKVCache(8),
+                                            positions=torch.arange(3)),
+                  r"a StaticKVCache places the tokens at the positions it has filled; drop "
+                  r"positions="),
+    "mask": (lambda: decoder("einsum")(randn(N, 3, D, seed=8), cache=StaticKVCache(8),
+                                       mask=torch.ones(3, 3, dtype=torch.bool)),
+             r"a StaticKVCache takes causal and key_padding_mask; a mask or an attention "
+             r"pattern"),
+    "pattern": (lambda: MultiHeadAttention(D, H, d_head=4, window=2, dtype=F64)(
+        randn(N, 3, D, seed=9), cache=StaticKVCache(8)), r"needs KVCache"),
+    "documents": (lambda: decoder("einsum")(randn(N, 3, D, seed=10), cache=StaticKVCache(8),
+                                            document_ids=torch.zeros(N, 3, dtype=torch.long)),
+                  r"a StaticKVCache keeps no document_ids; use KVCache"),
+    "another batch": (lambda: [decoder("einsum")(randn(n, 2, D, seed=11), cache=c)
+                               for c in [StaticKVCache(8)] for n in (N, N + 1)],
+                      r"the new keys are \(3, 2, 2, 4\) torch.float64 on cpu but the cache "
+                      r"holds K\[n g σ a\] of \(2, 2, 8, 4\).*make another StaticKVCache"),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_bad_input_raises_einattn_error(name):
+    call, match = ERRORS[name]
+    with pytest.raises(EinattnError, match=match):
+        call()
