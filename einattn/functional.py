@@ -309,7 +309,8 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     softmax scale ``s`` of equation (2), ``S = s · Q K``: ``1/√a`` by default. With a
     :class:`~einattn.cache.KVCache`, this call's keys and values are appended to it and the
     queries attend over everything cached (causal aligned bottom-right);
-    ``key_padding_mask`` and ``document_ids`` then mark this call's new keys only.
+    ``key_padding_mask`` and ``document_ids`` then mark this call's new keys only. A
+    :class:`~einattn.static_cache.StaticKVCache` is the same with one shape for every call.
     ``window``, ``softcap``, ``alibi``, ``sinks`` and ``document_ids`` are the attention
     patterns of equation (3), as in :func:`attention`. With ``W_KV`` (and ``b_KV``) the
     context has a width of its own: ``W`` is then ``W_Q[(μ a) i]`` and equation (1) splits

@@ -160,7 +160,8 @@ class MultiHeadAttention(nn.Module):
         this call's keys and values are appended to it and attention runs over all of it:
         with ``causal=True`` (here or in the constructor), ``layer(prompt, cache=c)`` then
         ``layer(next_token, cache=c)`` equals one causal forward over the whole sequence;
-        ``key_padding_mask`` then marks the new keys. ``document_ids`` (integers
+        ``key_padding_mask`` then marks the new keys (a :class:`~einattn.StaticKVCache`:
+        the same with one shape for every call, for a compiled step). ``document_ids`` (integers
         ``(n, L)``, self-attention) packs several documents in one sequence: a token
         attends only within its own (with a cache, this call's tokens' ids).
         """
