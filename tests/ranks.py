@@ -42,6 +42,7 @@ def _worker(rank: int, world: int, port: int, out: str, module: str) -> None:
         results[name] += (time.perf_counter() - start,)
     with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(results, f)
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 
@@ -57,15 +58,20 @@ def run_checks(module: str, world: int, out: Path) -> list[dict]:
     context = mp.start_processes(_worker, args=(world, _free_port(), str(out), module),
                                  nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + 600
-    while not context.join(timeout=5):  # a rank that raises re-raises here
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail(f"the {world} gloo processes did not finish in 600 s")
+    for p in context.processes:  # each to its end: one that dies does not stop the others
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in context.processes:
+        if p.is_alive():
+            p.kill()
+    files = [out / f"rank{k}.pkl" for k in range(world)]
+    if not all(f.exists() for f in files):  # a rank died (or hung) before its results
+        codes = [p.exitcode for p in context.processes]
+        pytest.fail(f"the {world} gloo processes ended with exit codes {codes} before every "
+                    f"rank wrote its results (gloo torn down while in use, or a hang)")
     results = []
-    for k in range(world):
-        with open(out / f"rank{k}.pkl", "rb") as f:
-            results.append(pickle.load(f))
+    for f in files:  # a rank that wrote them and then died at teardown still counts
+        with open(f, "rb") as handle:
+            results.append(pickle.load(handle))
     return results
 
 
