@@ -320,7 +320,7 @@ def _split_forward(Q, K, V, mask, pattern, block_size: int, reach):
                         acc)
     short = -(s1 - s0) % block_size  # the last block, filled up with −∞ (no key)
     blocks = _F.pad(S, (0, short), value=-_INF) if short else S
-    lse_b.insert(0, torch.logsumexp(blocks.unflatten(-1, (-1, block_size)), dim=-1))
+    lse_b.insert(0, torch.logsumexp(torch.unflatten(blocks, -1, (-1, block_size)), dim=-1))
     lse = torch.logsumexp(torch.cat(lse_b, dim=3) if len(lse_b) > 1 else lse_b[0], dim=-1)
     dead = mask is not None or partial  # where no row can lack a key, lse is finite
     A = S.sub_((for_backward(lse) if dead else lse)[..., None]).exp_()  # 0 in a dead row

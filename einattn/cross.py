@@ -86,7 +86,7 @@ def split_projection(n_heads: int, *, swapped: bool = False):
     (``j = i``), stacked as ``P[n τ μ B a]``: the form that proves them equation (1).
     ``swapped`` exchanges K and V in ``W_KV``, a mutation that must be caught."""
     def two_projections(X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-        W4 = W.unflatten(0, (n_heads, 3, -1))  # W[μ B a i]
+        W4 = torch.unflatten(W, 0, (n_heads, 3, -1))  # W[μ B a i]
         W_KV = W4[:, [2, 1]] if swapped else W4[:, 1:]  # W_KV[μ B a i], B over K, V
         Q, K, V = project(X, W4[:, 0].flatten(0, 1), X, W_KV.flatten(0, 2), n_heads=n_heads)
         return torch.stack([Q, K, V], dim=2).permute(0, 3, 1, 2, 4)

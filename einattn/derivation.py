@@ -69,8 +69,8 @@ def _split_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
 def _projections(n_heads: int):
     def three_linears(X, W):  # P[n τ μ B a]: each linear's (μ a) opened, stacked at B
         W_q, W_k, W_v = layouts.split_qkv(W, n_heads=n_heads)
-        return torch.stack([F.linear(X, w).unflatten(-1, (n_heads, -1)) for w in (W_q, W_k, W_v)],
-                           dim=3)
+        return torch.stack([torch.unflatten(F.linear(X, w), -1, (n_heads, -1))
+                            for w in (W_q, W_k, W_v)], dim=3)
     return three_linears
 
 

@@ -51,7 +51,7 @@ def open_fused(W: torch.Tensor, n_heads: int, n_kv_heads: int | None = None) -> 
 
 def _opened(W: torch.Tensor, g: int, r: int) -> torch.Tensor:
     """``W[(g C a) i]`` as ``W[g C a i]``, for rows already checked against ``(g, r)``."""
-    return W.unflatten(0, (g, r + 2, -1))
+    return torch.unflatten(W, 0, (g, r + 2, -1))
 
 
 def _fused_groups(W, n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:

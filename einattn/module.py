@@ -297,7 +297,7 @@ class MultiHeadAttention(nn.Module):
         getattr(self, query).copy_(q)
         g = self.n_kv_heads
         getattr(self, key_value).copy_(
-            torch.stack([k.unflatten(0, (g, -1)), v.unflatten(0, (g, -1))], 1).flatten(0, 2))
+            torch.stack([torch.unflatten(t, 0, (g, -1)) for t in (k, v)], 1).flatten(0, 2))
 
     @classmethod
     def from_fused(cls, W: torch.Tensor, W_O: torch.Tensor, b: torch.Tensor | None = None,
@@ -337,7 +337,7 @@ class MultiHeadAttention(nn.Module):
         if self.d_context is None:
             return layouts.split_qkv(fused.detach(), n_heads=self.n_heads,
                                      n_kv_heads=self.n_kv_heads)
-        K, V = key_value.detach().unflatten(0, (self.n_kv_heads, 2, -1)).unbind(1)
+        K, V = torch.unflatten(key_value.detach(), 0, (self.n_kv_heads, 2, -1)).unbind(1)
         return query.detach(), K.flatten(0, 1), V.flatten(0, 1)
 
     @classmethod

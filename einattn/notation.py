@@ -426,7 +426,7 @@ def opened(t: torch.Tensor, term: Term, sizes: dict[str, int]) -> torch.Tensor:
     ``μ B a i`` (an unflatten: the order stays), one unknown size per group inferred."""
     for k in reversed(range(len(term.axes))):  # from the last, so earlier axes keep their place
         if term.axes[k].grouped:
-            t = t.unflatten(k, [sizes.get(i, -1) for i in term.axes[k].indices])
+            t = torch.unflatten(t, k, [sizes.get(i, -1) for i in term.axes[k].indices])
     return t
 
 

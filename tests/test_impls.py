@@ -199,6 +199,15 @@ def test_compiled_layer_equals_eager(impl, dtype, lengths, case, bias):
     check_compiled("aot_eager", impl, dtype, lengths, case, bias)
 
 
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+def test_compiled_layer_under_a_default_device_equals_eager(impl):
+    """Under ``torch.set_default_device`` (a torch function mode, as many model codebases
+    set it) dynamo cannot trace ``Tensor.unflatten``'s ``super()`` call: einattn opens
+    grouped axes with ``torch.unflatten``, so fullgraph still holds (it failed before)."""
+    with torch.device(torch.get_default_device()):
+        check_compiled("aot_eager", impl, F64, "self", "causal + float τσ + key padding", True)
+
+
 @slow
 @compiled_cases
 def test_inductor_compiled_layer_equals_eager(impl, dtype, lengths, case, bias):
