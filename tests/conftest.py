@@ -1,4 +1,13 @@
-"""Shared helpers for the test suite: seeded tensors, weights in both layouts, tolerances."""
+"""Shared helpers for the test suite: seeded tensors, weights in both layouts, tolerances, and
+the device the suite runs on.
+
+The device: ``pytest --device cuda`` (or ``EINATTN_TEST_DEVICE=cuda pytest``; the option wins)
+runs every device-independent test with ``cuda`` as torch's default device, so that the
+tensors, layers and Hugging Face models a test makes are made there. The modules in
+:data:`CPU_ONLY`, and doctests (whose printed tensors would name the device), are about the
+CPU or need what only the CPU machine has: they are skipped on another device, with the
+reason. The default is ``cpu``, where the switch changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._device import DeviceContext, _device_constructors
 
 # The suite runs thousands of operations on tiny tensors, where intra-op threads cost more
 # than they save (and, on a busy machine, far more): one thread keeps it fast and steady.
@@ -18,12 +28,77 @@ torch.set_num_threads(1)
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
+# Test modules that stay on the CPU under --device, and why.
+CPU_ONLY = {
+    "test_bench": "the benchmark times and measures memory on the CPU",
+    "test_browser": "opens the built site in Chromium",
+    "test_cli": "runs the command line in subprocesses on the CPU",
+    "test_derivation_files": "runs `einattn verify` in subprocesses and compares its output",
+    "test_docs": "compares docs/ with the code and runs its examples as written",
+    "test_examples": "runs examples/tiny_lm.py as a user would",
+    "test_parallel": "gloo processes on the CPU",
+    "test_readme": "runs the README's commands as written",
+    "test_ring": "gloo processes on the CPU",
+    "test_site": "builds the documentation site",
+}
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--device", default=os.environ.get("EINATTN_TEST_DEVICE"),
+                     help="torch's default device while each device-independent test runs "
+                          "(default: $EINATTN_TEST_DEVICE; unset, tests make their tensors "
+                          "where torch does, on the CPU)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    device = config.getoption("--device")
+    if device is None or torch.device(device).type == "cpu":
+        return
+    for item in items:
+        module = item.path.stem
+        why = CPU_ONLY.get(module) or (
+            "a doctest prints CPU tensors" if isinstance(item, pytest.DoctestItem) else None)
+        if why is not None:
+            item.add_marker(pytest.mark.skip(reason=f"CPU only under --device {device}: {why}"))
+
+
+@pytest.fixture(autouse=True)
+def _on_device(request):
+    """Each test with the suite's device, where one is given, as torch's default device (a
+    mode that places every factory call: given ``cpu`` too, so that the switch itself is
+    exercised on a machine without a GPU)."""
+    device = request.config.getoption("--device")
+    if device is None or request.node.path.stem in CPU_ONLY:
+        yield
+        return
+    with _Device(device):
+        yield
+
+
+class _Device(DeviceContext):
+    """torch's default-device mode (``with torch.device(...)``), except that a factory call
+    given a CPU generator draws on the CPU and moves its result: tests seed CPU generators,
+    and their numbers stay the same on every device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None:
+            generator = kwargs.get("generator")
+            if generator is not None and generator.device.type == "cpu":
+                grad = kwargs.pop("requires_grad", False)
+                drawn = func(*args, **kwargs, device="cpu")
+                return drawn.to(self.device).requires_grad_(grad)
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float64,
           requires_grad: bool = False) -> torch.Tensor:
-    """A reproducible standard-normal tensor that does not touch the global RNG."""
+    """A reproducible standard-normal tensor that does not touch the global RNG, drawn on the
+    CPU (the same numbers on every device) and moved to the default device."""
     g = torch.Generator().manual_seed(seed)
-    t = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
-    return t.requires_grad_(requires_grad)
+    t = torch.randn(*shape, generator=g, dtype=torch.float64, device="cpu")
+    return t.to(dtype=dtype, device=torch.get_default_device()).requires_grad_(requires_grad)
 
 
 def projections(d_model: int, n_heads: int, d_head: int, *, bias: bool, seed: int,
