@@ -98,11 +98,12 @@ def check_equivalent(lhs: Side, rhs: Side, sizes: dict[str, int] | None = None, 
     limit = min(getattr(s, "exact_limit", 2.0**62) for s in sides)
     span = _exact_span(sizes, degree, limit) if exact else 0
     generator = torch.Generator().manual_seed(seed)
-    worst = None
+    device = torch.device("cpu") if exact else torch.get_default_device()  # integer products
+    worst = None  # have no CUDA kernel: the exact mode runs on the CPU
     for _ in range(draws):
-        tensors = {name: _draw(shape_of(sizes), span, generator)
+        tensors = {name: _draw(shape_of(sizes), span, generator).to(device)
                    for name, shape_of in signature.items()}
-        left, right = (_evaluate(s, tensors, sizes) for s in sides)
+        left, right = (_evaluate(s, tensors, sizes, device) for s in sides)
         result = _compare(left, right, exact, sides)
         if worst is None or result[0] - result[1] > worst[0] - worst[1]:
             worst = result
@@ -166,12 +167,23 @@ def _exact_span(sizes: dict[str, int], degree: int, limit: float = 2.0**62) -> i
 
 
 def _draw(shape: tuple[int, ...], span: int, generator: torch.Generator) -> torch.Tensor:
+    """Inputs drawn on the CPU, whatever torch's default device: a CPU generator draws the
+    same numbers everywhere."""
     if span:
-        return torch.randint(-span, span + 1, shape, generator=generator, dtype=torch.int64)
-    return torch.randn(shape, generator=generator, dtype=torch.float64)
+        return torch.randint(-span, span + 1, shape, generator=generator, dtype=torch.int64,
+                             device="cpu")
+    return torch.randn(shape, generator=generator, dtype=torch.float64, device="cpu")
 
 
-def _evaluate(side, tensors: dict[str, torch.Tensor], sizes: dict[str, int]) -> torch.Tensor:
+def _evaluate(side, tensors: dict[str, torch.Tensor], sizes: dict[str, int],
+              device: torch.device) -> torch.Tensor:
+    """A side on the drawn tensors, with their device as the default: tensors a side makes
+    itself join them."""
+    with torch.device(device):
+        return _evaluated(side, tensors, sizes)
+
+
+def _evaluated(side, tensors: dict[str, torch.Tensor], sizes: dict[str, int]) -> torch.Tensor:
     if isinstance(side, Equation):
         known = {k: v for k, v in sizes.items() if k in side.indices}
         names = (*side.operands, *getattr(side, "scalars", ()))
