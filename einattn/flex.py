@@ -11,13 +11,15 @@ by the mods at each index; a sink is one more key, with value zero and score ``s
 FlexAttention runs compiled (``torch.compile(..., dynamic=False, fullgraph=True)``, once per
 shape and pattern, a few seconds on a CPU); inside a ``torch.compile``'d model it is traced
 with the model. What the installed torch cannot run is an :class:`EinattnError` that says
-what to use instead (measured on torch 2.13's CPU build: forward only, no float64 kernel;
-float64 then runs FlexAttention's own eager reference, dense and exact).
+what to use instead (measured on torch 2.13's CPU build: forward only; on torch 2.11 with
+CUDA: forward and backward, heads of at least 16 channels, which einattn pads to). Float64,
+which no compiled kernel takes, runs FlexAttention's own eager reference, dense and exact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 
 import torch
@@ -50,18 +52,35 @@ def attention(Q, K, V, mask, pattern) -> torch.Tensor:
             block_mask = _block_mask(flex, pattern, mask_mod, L_q, L_k, K.shape[2],
                                      partial=mask is not None, device=Q.device)
             _remember(key, block_mask)
+    Q, K, V, a_V, scale = _widened(Q, K, V)
     if torch.compiler.is_compiling():  # traced with the model around it
         return flex.flex_attention(Q, K, V, score_mod=score_mod, block_mask=block_mask,
-                                   enable_gqa=K.shape[1] != n_heads)
+                                   scale=scale, enable_gqa=K.shape[1] != n_heads)[..., :a_V]
     try:
         with _compiling(Q):
             return _compiled(flex, Q)(Q, K, V, score_mod=score_mod, block_mask=block_mask,
-                                      enable_gqa=K.shape[1] != n_heads)
+                                      scale=scale, enable_gqa=K.shape[1] != n_heads)[..., :a_V]
     except Exception as error:  # a backend's failure, put in einattn's words
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise EinattnError(f"impl='flex': FlexAttention could not run here "
                            f"({type(error).__name__}: {first[:300]}); impl='chunked' runs "
                            f"the same pattern with its empty tiles skipped") from None
+
+
+GPU_MIN_HEAD = 16  # FlexAttention's GPU kernel takes heads of at least 16 channels
+
+
+def _widened(Q, K, V):
+    """Q, K, V with ``a`` padded by zeros to :data:`GPU_MIN_HEAD` channels where the GPU
+    kernel needs it, V's own width, and the scale ``1/√a`` of the unpadded heads (None:
+    FlexAttention's own, the same): zero channels add nothing to ``Q K`` nor to ``Z``,
+    whose padding is sliced off."""
+    a, a_V = Q.shape[-1], V.shape[-1]
+    if Q.device.type == "cpu" or min(a, a_V) >= GPU_MIN_HEAD:
+        return Q, K, V, a_V, None
+    Q, K, V = (torch.nn.functional.pad(t, (0, max(0, GPU_MIN_HEAD - t.shape[-1])))
+               for t in (Q, K, V))
+    return Q, K, V, a_V, 1.0 / math.sqrt(a)
 
 
 def _flex_module():
@@ -105,8 +124,8 @@ RECOMPILE_LIMIT = 64
 
 def _compiled(flex, Q):
     """FlexAttention compiled once per process (per shape inside), or its eager reference
-    for float64 on the CPU, which Inductor's CPU kernel does not take."""
-    if Q.device.type == "cpu" and Q.dtype == torch.float64:
+    for float64, which neither Inductor's CPU kernel nor its Triton kernel takes."""
+    if Q.dtype == torch.float64:
         return flex.flex_attention
     if "flex" not in _COMPILED:
         _COMPILED["flex"] = torch.compile(flex.flex_attention, dynamic=False, fullgraph=True)
