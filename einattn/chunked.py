@@ -128,8 +128,17 @@ def _run(Q, K, V, mask, pattern, block_size: int) -> torch.Tensor:
     """Z by the ``autograd.Function`` where autograd records the call, else the forward."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (Q, K, V, mask, pattern.sinks)):
-        return _Attention.apply(Q, K, V, mask, pattern.sinks, pattern, block_size)
+        apply = _Attention.apply if _TRACEABLE or not torch.compiler.is_compiling() \
+            else _untraced_apply
+        return apply(Q, K, V, mask, pattern.sinks, pattern, block_size)
     return _forward(Q, K, V, mask, pattern, block_size)[0]
+
+
+# Dynamo traces the Function below, backward included, into the graph. torch 2.11's traced
+# backward gave gradients 3.0 off (eager: 1e-15, the forward exact; measured on CPU and CUDA,
+# tests/test_chunked.py's compile test), torch 2.13's are exact: before 2.13 the Function runs
+# outside the graph (a graph break; fullgraph=True refuses it), never a wrong gradient.
+_TRACEABLE = torch.__version__ >= "2.13"
 
 
 def _tile_side(pattern, block_size: int) -> int:
@@ -176,6 +185,9 @@ class _Attention(torch.autograd.Function):
             grads = _backward(Q, K, V, Z, lse, mask, dZ, ctx.pattern, ctx.block_size,
                               mask_grad=ctx.needs_input_grad[3])
         return *grads, None, None
+
+
+_untraced_apply = torch.compiler.disable(_Attention.apply)
 
 
 def _dense_grads(ctx, Q, K, V, mask, sinks, dZ):

@@ -3,7 +3,8 @@ the device the suite runs on.
 
 The device: ``pytest --device cuda`` (or ``EINATTN_TEST_DEVICE=cuda pytest``; the option wins)
 runs every device-independent test with ``cuda`` as torch's default device, so that the
-tensors, layers and Hugging Face models a test makes are made there. The modules in
+tensors, layers and Hugging Face models a test makes are made there (tests that name the
+CPU, as a test of device checks does, keep it). The modules in
 :data:`CPU_ONLY`, and doctests (whose printed tensors would name the device), are about the
 CPU or need what only the CPU machine has: they are skipped on another device, with the
 reason. The default is ``cpu``, where the switch changes nothing.
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._device import DeviceContext, _device_constructors
+
+from einattn import chunked
 
 # The suite runs thousands of operations on tiny tensors, where intra-op threads cost more
 # than they save (and, on a busy machine, far more): one thread keeps it fast and steady.
@@ -39,11 +42,13 @@ CPU_ONLY = {
     "test_parallel": "gloo processes on the CPU",
     "test_readme": "runs the README's commands as written",
     "test_ring": "gloo processes on the CPU",
+    "test_seeds": "ports NumPy code, whose arrays live on the CPU",
     "test_site": "builds the documentation site",
 }
 
 
 def pytest_addoption(parser) -> None:
+    """``--device``; a test marked ``@pytest.mark.cpu_only("why")`` runs on the CPU only."""
     parser.addoption("--device", default=os.environ.get("EINATTN_TEST_DEVICE"),
                      help="torch's default device while each device-independent test runs "
                           "(default: $EINATTN_TEST_DEVICE; unset, tests make their tensors "
@@ -55,24 +60,21 @@ def pytest_collection_modifyitems(config, items) -> None:
     if device is None or torch.device(device).type == "cpu":
         return
     for item in items:
-        module = item.path.stem
-        why = CPU_ONLY.get(module) or (
+        marker = item.get_closest_marker("cpu_only")
+        why = CPU_ONLY.get(item.path.stem) or (marker.args[0] if marker else None) or (
             "a doctest prints CPU tensors" if isinstance(item, pytest.DoctestItem) else None)
         if why is not None:
             item.add_marker(pytest.mark.skip(reason=f"CPU only under --device {device}: {why}"))
 
 
-@pytest.fixture(autouse=True)
-def _on_device(request):
-    """Each test with the suite's device, where one is given, as torch's default device (a
-    mode that places every factory call: given ``cpu`` too, so that the switch itself is
-    exercised on a machine without a GPU)."""
-    device = request.config.getoption("--device")
-    if device is None or request.node.path.stem in CPU_ONLY:
-        yield
-        return
-    with _Device(device):
-        yield
+def pytest_configure(config) -> None:
+    """The suite's device, where one is given, becomes torch's default device for the whole
+    session, collection included (module-level tensors and parameters are made there too):
+    a mode that places every factory call; given ``cpu`` too, so that the switch itself is
+    exercised on a machine without a GPU."""
+    device = config.getoption("--device")
+    if device is not None:
+        _Device(device).__enter__()
 
 
 class _Device(DeviceContext):
@@ -90,6 +92,26 @@ class _Device(DeviceContext):
                 return drawn.to(self.device).requires_grad_(grad)
             kwargs["device"] = self.device
         return func(*args, **kwargs)
+
+
+def on_cpu_only(names, why: dict[str, str]) -> list:
+    """``names`` as parameters, those in ``why`` marked ``cpu_only`` with their reason."""
+    return [pytest.param(name, marks=pytest.mark.cpu_only(why[name])) if name in why else name
+            for name in names]
+
+
+FLEX_CPU = "FlexAttention's CPU kernels alone have no backward"
+
+
+def whole(impl: str) -> bool:
+    """Whether a layer with gradients compiles to one graph (``fullgraph=True``): chunked's
+    Function breaks it before torch 2.13 (:data:`einattn.chunked._TRACEABLE`)."""
+    return impl != "chunked" or chunked._TRACEABLE
+
+
+def here() -> str:
+    """The default device as error messages name it: ``cpu``, ``cuda:0``."""
+    return str(torch.empty(0).device)
 
 
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float64,
