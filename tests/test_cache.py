@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from einattn import EinattnError, KVCache, MultiHeadAttention, masks
-from tests.conftest import TOL, assert_close_scaled, randn
+from tests.conftest import TOL, assert_close_scaled, here, randn
 
 F64 = torch.float64
 N, L, D, H = 2, 11, 24, 6
@@ -150,7 +150,8 @@ ERRORS = {  # each call continues a cache that holds 3 float64 tokens of batch 2
               r"index 'n' has size 3 in the new keys but 2 in the cache's K\[n g σ a\]; call "
               r"cache.reset\(\)"),
     "dtype": (lambda layer, c: layer.float()(_ones(1, torch.float32), cache=c),
-              r"new keys are torch.float32 on cpu but the cache holds torch.float64 on cpu"),
+              rf"new keys are torch.float32 on {here()} but the cache holds torch.float64 "
+              rf"on {here()}"),
     "padding shape": (lambda layer, c: layer(_ones(2), cache=c,
                                              key_padding_mask=torch.zeros(N, 5).bool()),
                       r"with a cache, key_padding_mask marks this call's new keys: a bool "
@@ -176,7 +177,7 @@ def test_bad_cache_use_raises(call, message):
     (torch.ones(2, 3, 4, 5), [[1.0]], r"the new V\[n g σ a\] must be a 4-D tensor, got list"),
     (torch.ones(2, 3, 4, 5), torch.ones(2, 3, 6, 5), r"every new key K\[n g σ a\] needs its "
                                                      r"value V\[n g σ a\]: K is \(2, 3, 4, 5\) "
-                                                     r"torch.float32 on cpu but V is "
+                                                     rf"torch.float32 on {here()} but V is "
                                                      r"\(2, 3, 6, 5\)"),
     (torch.ones(2, 3, 4, 5), torch.ones(2, 3, 4, 5, dtype=F64), r"but V is \(2, 3, 4, 5\) "
                                                                 r"torch.float64"),

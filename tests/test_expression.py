@@ -90,8 +90,9 @@ def test_logsumexp_is_torch_logsumexp():
 def test_softcap_is_c_tanh_s_over_c():
     S = randn(τ, σ, seed=5) * 4
     C = Equation("C[τ σ] = c · tanh(S[τ σ] / c)")
-    assert torch.equal(C(S=S, c=2.0), 2.0 * torch.tanh(S / 2.0))
-    assert torch.equal(C(S=S, c=torch.tensor(3.0, dtype=F64)), 3.0 * torch.tanh(S / 3.0))
+    close(C(S=S, c=2.0), 2.0 * torch.tanh(S / 2.0))  # bit for bit on the CPU; CUDA divides
+    close(C(S=S, c=torch.tensor(3.0, dtype=F64)), 3.0 * torch.tanh(S / 3.0))  # by a number
+    # as a product with its reciprocal, by a tensor truly
 
 
 @pytest.mark.parametrize("text, reference", [

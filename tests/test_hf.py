@@ -180,7 +180,8 @@ def test_whole_llama_models_layers_convert_in_place():
 def test_the_layer_holds_copies_in_the_modules_dtype_and_mode():
     attention, _ = _attention("qwen2", attention_dropout=0.25)
     layer = hf.layer(attention)
-    assert (layer.W.dtype, layer.W.device, layer.training) == (F64, torch.device("cpu"), False)
+    assert (layer.W.dtype, layer.W.device, layer.training) == (F64, attention.q_proj.weight.device,
+                                                               False)
     assert layer.dropout == 0.25 and hf.layer(attention.train()).training
     before = layer.W.detach().clone()
     with torch.no_grad():

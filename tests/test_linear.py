@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TOL, assert_close_scaled, randn
+from conftest import TOL, assert_close_scaled, here, randn
 
 from einattn import EinattnError, Equation, MultiHeadAttention, layouts, linear
 from einattn.derivation import Step
@@ -409,7 +409,7 @@ BAD = [
     ("integer K", bad(K=torch.zeros(N, MU, L, A, dtype=torch.int64)),
      "K must be floating point, got torch.int64"),
     ("float32 V", bad(V=torch.zeros(N, MU, L, C)),
-     "V is torch.float32 on cpu but Q is torch.float64 on cpu"),
+     f"V is torch.float32 on {here()} but Q is torch.float64 on {here()}"),
     ("n of K", bad(K=randn(N + 1, MU, L, A, seed=1)), "index 'n' has size 3 in K but 2 in Q"),
     ("n of V", bad(V=randn(N + 1, MU, L, C, seed=1)), "index 'n' has size 3 in V but 2 in Q"),
     ("a of K", bad(K=randn(N, MU, L, A + 1, seed=1)), "index 'a' has size 6 in K but 5 in Q"),

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import TOL, assert_close_scaled, randn
+from conftest import TOL, assert_close_scaled, here, randn
 
 from einattn import EinattnError, Equation, MultiHeadAttention, reference
 
@@ -60,14 +60,15 @@ def reference_grads(layer, x, **call):
 
 def low_precision_errors(impl, dtype, scale, causal, *, bias=False):
     """The relative errors of Y and of x's gradient in ``dtype`` ("autocast": float32 weights
-    under CPU bfloat16 autocast) against float64 on the same rounded numbers."""
+    under bfloat16 autocast on the default device) against float64 on the same rounded numbers."""
     rounded = BF16 if dtype == "autocast" else dtype
     exact, low = layer_pair(impl, torch.float32 if dtype == "autocast" else dtype, bias=bias,
                             rounded=rounded, causal=causal)
     x = randn(N, L, D, seed=1) * scale
     Y64, g64 = reference_grads(exact, x.to(rounded), causal=causal)
     x_low = x.to(torch.float32 if dtype == "autocast" else dtype).requires_grad_()
-    with torch.autocast("cpu", dtype=BF16, enabled=dtype == "autocast"):
+    with torch.autocast(torch.get_default_device().type, dtype=BF16,
+                        enabled=dtype == "autocast"):
         Y = low(x_low)
     (Y.float().square().sum() / 2).backward()
     assert Y.dtype == rounded  # bfloat16 under autocast, with or without a bias
@@ -102,8 +103,10 @@ def test_bfloat16_autocast_with_a_bias(impl):
 def test_near_ties_no_implementation_is_worse_than_sdpa(impl, dtype, scale, causal, bias):
     errors = low_precision_errors(impl, dtype, scale, causal, bias=bias)
     sdpa = low_precision_errors("sdpa", dtype, scale, causal, bias=bias)
-    assert all(e <= 1.5 * s + GRAD_TOL[dtype] for e, s in zip(errors, sdpa, strict=True)), \
-        (errors, sdpa)
+    # NaN where SDPA's is NaN too: on CUDA x's float16 gradient at ×100 with a bias overflows
+    # in the projection's GEMMs (float16 reductions), whichever impl attends
+    assert all(e <= 1.5 * s + GRAD_TOL[dtype] or math.isnan(s)
+               for e, s in zip(errors, sdpa, strict=True)), (errors, sdpa)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -123,12 +126,17 @@ def test_a_large_float_mask_is_added_in_the_softmax_precision(impl, dtype):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_float16_scores_past_65504_do_not_overflow(impl):
     """x × 1000: the scores exceed float16's range; float32 scores (as SDPA's) keep it
-    finite, where einsum and chunked returned inf and NaN."""
-    exact, low = layer_pair(impl, torch.float16)
-    x = randn(N, L, D, seed=4) * 1000
-    Y = low(x.half())
-    assert torch.isfinite(Y).all()
-    assert relative(Y.detach(), exact(x).detach()) < 1e-2
+    finite, where einsum and chunked returned inf and NaN. Attention is then nearly one-hot,
+    so the error is the projection's (in float16 GEMMs, on CUDA with float16 reductions):
+    within 1e-2 on the CPU, and no impl worse than SDPA on any device."""
+    def error(impl):
+        exact, low = layer_pair(impl, torch.float16)
+        x = randn(N, L, D, seed=4) * 1000
+        Y = low(x.half())
+        assert torch.isfinite(Y).all()
+        return relative(Y.detach(), exact(x).detach())
+
+    assert error(impl) < max(1e-2, 1.5 * error("sdpa"))
 
 
 # -- second derivatives and the torch.func transforms -----------------------------------------
@@ -213,7 +221,7 @@ def test_the_device_of_every_operand_is_checked_after_a_cached_call():
     scores = Equation("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a")
     Q, K = torch.ones(2, 3, 4, 5), torch.ones(2, 3, 6, 5)
     scores(Q=Q, K=K)  # planned and cached for these shapes
-    with pytest.raises(Exception, match="K is on meta but Q is on cpu"):
+    with pytest.raises(Exception, match=f"K is on meta but Q is on {here()}"):
         scores(Q=Q, K=K.to("meta"))
 
 
@@ -222,9 +230,9 @@ def test_a_meta_input_or_mask_after_a_cached_call_is_refused(impl):
     layer = MultiHeadAttention(D, H, impl=impl)
     x, mask = torch.ones(N, L, D), torch.ones(L, L, dtype=torch.bool)
     layer(x, mask=mask)
-    with pytest.raises(Exception, match="x is on meta but the layer's W is on cpu"):
+    with pytest.raises(Exception, match=f"x is on meta but the layer's W is on {here()}"):
         layer(x.to("meta"))
-    with pytest.raises(Exception, match="mask is on meta but the scores are on cpu"):
+    with pytest.raises(Exception, match=f"mask is on meta but the scores are on {here()}"):
         layer(x, mask=mask.to("meta"))
 
 
@@ -247,6 +255,8 @@ def masked_nan_cases():
             "causal future": ({"causal": True}, rows_before)}
 
 
+@pytest.mark.cpu_only("a NaN behind a mask is kept from other queries on the CPU "
+                      "only (the check would sync a GPU)")
 @pytest.mark.parametrize("case", list(masked_nan_cases()))
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_nan_behind_the_mask_reaches_no_query_that_cannot_see_it(impl, case):
@@ -266,6 +276,8 @@ def test_a_nan_behind_the_mask_reaches_no_query_that_cannot_see_it(impl, case):
     assert_close_scaled(Y[1], expected[1], TOL[F64])
 
 
+@pytest.mark.cpu_only("a NaN behind a mask is kept from other queries on the CPU "
+                      "only (the check would sync a GPU)")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_nan_in_a_padded_context_token_stays_out_of_cross_attention(impl):
     torch.manual_seed(14)
@@ -279,6 +291,8 @@ def test_a_nan_in_a_padded_context_token_stays_out_of_cross_attention(impl):
                         layer(x, context, key_padding_mask=pad), TOL[F64])
 
 
+@pytest.mark.cpu_only("a NaN behind a mask is kept from other queries on the CPU "
+                      "only (the check would sync a GPU)")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_nan_in_an_admissible_input_still_propagates(impl):
     torch.manual_seed(17)

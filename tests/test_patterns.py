@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TOL, assert_close_scaled, randn
+from conftest import FLEX_CPU, TOL, assert_close_scaled, here, on_cpu_only, randn
 from test_bad_inputs import BAD, _raise_lines, reached_lines
 from test_chunked import largest_outputs
 
@@ -322,9 +322,10 @@ def test_flex_without_keys_is_zeros():
 def test_alibi_in_half_precision_keeps_its_distances(dtype):
     """ALiBi's bias is made in float32, as the half-precision scores are: in bfloat16 the
     distance 1499 would round to 1496 before its slope multiplied it."""
-    pattern = patterns.build(n=1, n_heads=MU, L_q=1, L_k=1500, dtype=dtype, device="cpu",
+    here = torch.get_default_device()
+    pattern = patterns.build(n=1, n_heads=MU, L_q=1, L_k=1500, dtype=dtype, device=here,
                              alibi=True)
-    B = pattern.bias(patterns.grid(1, MU, 1, 1500, "cpu"))
+    B = pattern.bias(patterns.grid(1, MU, 1, 1500, here))
     assert B.dtype == torch.float32
     exact = -masks.alibi_slopes(MU, dtype=F64)[:, None, None] * torch.arange(1499, -1, -1)
     assert torch.equal(B[0].double(), exact.float().double())
@@ -343,6 +344,8 @@ def test_weights_with_a_sink_sum_to_less_than_one():
     assert_close_scaled(1 - A_.sum(-1), torch.sigmoid(s[:, None] - lse), TOL[F64])
 
 
+@pytest.mark.cpu_only("a NaN behind a mask is kept from other queries on the CPU "
+                      "only (the check would sync a GPU)")
 @pytest.mark.parametrize("impl", [*IMPLS, "flex"])
 @pytest.mark.parametrize("case", ["window-causal", "documents", "sinks-window-causal"])
 def test_nan_behind_the_pattern_reaches_only_the_queries_that_see_it(case, impl):
@@ -539,8 +542,8 @@ def test_tiles_against_a_dense_evaluation(case, L_q, L_k, size):
     if "document_ids" in opts:
         opts["document_ids"] = documents(L_k, kind=opts["document_ids"], seed=L_q)
     may = allowed_keys(N, L_q, L_k, **opts)[:, 0]  # may[n τ σ]
-    tiles = patterns.build(n=N, n_heads=MU, L_q=L_q, L_k=L_k, dtype=F64, device=torch.device("cpu"),
-                           **opts).tiles(L_q, L_k, size)
+    tiles = patterns.build(n=N, n_heads=MU, L_q=L_q, L_k=L_k, dtype=F64,
+                           device=torch.get_default_device(), **opts).tiles(L_q, L_k, size)
     named = {(t0 // size, s0 // size) for t0, _, s0, _, _ in tiles}
     assert len(named) == len(tiles)  # no tile twice
     for t0, t1, s0, s1, partial in tiles:
@@ -655,7 +658,8 @@ def test_gemma2_capped_sliding_attention(impl):
 
     Q, K, V = qkv(L, L, requires_grad=False)
     M = masking_utils.eager_mask(batch_size=N, q_length=L, kv_length=L, dtype=F64,
-                                 mask_function=masking_utils.sliding_window_causal_mask_function(4))
+                                 mask_function=masking_utils.sliding_window_causal_mask_function(4)
+                                 ).to(Q.device)  # made on the CPU
     module = SimpleNamespace(num_key_value_groups=MU // G, training=False, head_dim=A)
     Z_gemma, _ = eager_attention_forward(module, Q, K, V, M, scaling=0.3, softcap=2.0)
     opts = dict(causal=True, window=4, softcap=2.0, scale=0.3)
@@ -676,7 +680,7 @@ def test_gpt_oss_sinks(impl, window):
     mask_function = masking_utils.causal_mask_function if window is None \
         else masking_utils.sliding_window_causal_mask_function(window)
     M = masking_utils.eager_mask(batch_size=N, q_length=L, kv_length=L, dtype=F64,
-                                 mask_function=mask_function)
+                                 mask_function=mask_function).to(Q.device)  # made on the CPU
     module = SimpleNamespace(sinks=s, num_key_value_groups=MU // G, training=False)
     Z_oss = eager_attention_forward(module, Q, K, V, M, scaling=A ** -0.5)[0].transpose(1, 2)
     Z = F.attention(Q, K, V, impl=impl, block_size=4, causal=True, window=window, sinks=s)
@@ -711,7 +715,7 @@ def test_flex_attention_with_hand_written_mods(name):
     ids = documents(L_k)
     mask_mod, score_mod, opts = hand_written_mods(name, L_q, L_k, ids)
     block_mask = None if mask_mod is None else \
-        create_block_mask(mask_mod, N, None, L_q, L_k, device="cpu")
+        create_block_mask(mask_mod, N, None, L_q, L_k, device=Q.device)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
         Z_flex = flex_attention(Q, K, V, score_mod=score_mod, block_mask=block_mask,
@@ -800,7 +804,7 @@ ERRORS = {
                           r"document_ids must hold integers .*got torch.bool"),
     "document_ids-meta": (_call(document_ids=torch.zeros(N, 11, dtype=torch.long,
                                                          device="meta")),
-                          r"document_ids is on meta but the scores are on cpu"),
+                          rf"document_ids is on meta but the scores are on {here()}"),
     "alibi-shape": (_call(alibi=torch.ones(G, dtype=F64)),
                     r"alibi must be True \(BLOOM's slopes\) or a float tensor of slopes m\[μ\] "
                     r"of shape \(n_heads,\) = \(6,\), got torch.float64 \(2,\)"),
@@ -808,7 +812,7 @@ ERRORS = {
                   r"alibi must be True .* = \(6,\), got torch.int64 \(6,\)"),
     "alibi-number": (_call(alibi=0.5), r"alibi must be True .*, got 0.5"),
     "alibi-meta": (_call(alibi=torch.ones(MU, device="meta")),
-                   r"alibi is on meta but the scores are on cpu"),
+                   rf"alibi is on meta but the scores are on {here()}"),
     "sinks-shape": (_call(sinks=torch.zeros(1, MU, dtype=F64)),
                     r"sinks must be a float tensor of sink logits s\[μ\] of shape \(n_heads,\) "
                     r"= \(6,\), got torch.float64 \(1, 6\)"),
@@ -816,7 +820,7 @@ ERRORS = {
                   r"sinks must be a float tensor .* = \(6,\), got torch.int64 \(6,\)"),
     "sinks-bool": (_call(sinks=True), r"sinks must be a float tensor .*, got True"),
     "sinks-meta": (_call(sinks=torch.zeros(MU, device="meta")),
-                   r"sinks is on meta but the scores are on cpu"),
+                   rf"sinks is on meta but the scores are on {here()}"),
     "flex-requires-grad": (lambda: F.attention(*qkv(7, 11), impl="flex", window=3),
                            r"impl='flex' has no backward on the CPU .*impl='chunked'"),
     "flex-sinks-require-grad": (lambda: F.attention(
@@ -829,7 +833,8 @@ ERRORS = {
 }
 
 
-@pytest.mark.parametrize("name", list(ERRORS))
+@pytest.mark.parametrize("name", on_cpu_only(ERRORS, {"flex-requires-grad": FLEX_CPU,
+                                                     "flex-sinks-require-grad": FLEX_CPU}))
 def test_bad_options_raise(name):
     call, match = ERRORS[name]
     with pytest.raises(EinattnError, match=match):
@@ -881,7 +886,7 @@ def test_softcap_runs_its_equation_and_flex_scalars_do_its_arithmetic():
     same two operations, bit for bit; its LaTeX is CAP's."""
     cap = patterns.Softcap(2.5)
     S = randn(N, MU, 7, 11, seed=3) * 4
-    at = patterns.grid(N, MU, 7, 11, "cpu")
+    at = patterns.grid(N, MU, 7, 11, S.device)
     dense = cap.score(S, *at)
     assert torch.equal(dense, patterns.Softcap.CAP(S=S, c=2.5))
     assert torch.equal(dense, 2.5 * torch.tanh(S / 2.5))

@@ -80,10 +80,12 @@ def test_not_spendable(S, why):
     assert not _softmax.spendable(S), why
 
 
+@pytest.mark.cpu_only("the scores are spent in place on the CPU path only")
 def test_spendable_scores():
     assert _softmax.spendable(randn(3, 4, seed=6))
 
 
+@pytest.mark.cpu_only("the scores are spent in place on the CPU path only")
 def test_small_scores_are_not_worth_spending(monkeypatch):
     """Below WORTH bytes the Function's Python costs more than the buffer it saves."""
     monkeypatch.setattr(_softmax, "WORTH", 8 * 12)
@@ -113,6 +115,7 @@ class _Ops(TorchDispatchMode):
         return out
 
 
+@pytest.mark.cpu_only("the scores are spent in place on the CPU path only")
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("kwargs", [{}, {"causal": True}])
 def test_the_einsum_layer_writes_the_softmax_over_its_scores(grad, kwargs):

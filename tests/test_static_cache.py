@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from einattn import EinattnError, MultiHeadAttention, StaticKVCache
-from tests.conftest import TOL, assert_close_scaled, randn
+from tests.conftest import TOL, assert_close_scaled, here, randn
 
 F64 = torch.float64
 N, L, D, H, G = 2, 9, 12, 6, 2  # a prompt of 3, then 6 one-token steps; max_length 11
@@ -105,7 +105,7 @@ ERRORS = {
                   r"a StaticKVCache keeps no document_ids; use KVCache"),
     "another batch": (lambda: [decoder("einsum")(randn(n, 2, D, seed=11), cache=c)
                                for c in [StaticKVCache(8)] for n in (N, N + 1)],
-                      r"the new keys are \(3, 2, 2, 4\) torch.float64 on cpu but the cache "
+                      rf"the new keys are \(3, 2, 2, 4\) torch.float64 on {here()} but the cache "
                       r"holds K\[n g σ a\] of \(2, 2, 8, 4\).*make another StaticKVCache"),
 }
 
