@@ -32,10 +32,12 @@ class Token(NamedTuple):
 class Reader:
     """The tokens of one LaTeX equation and a cursor; errors point into the LaTeX."""
 
-    def __init__(self, tex: str, tokens: list[Token] | None = None, end: int = -1):
+    def __init__(self, tex: str, tokens: list[Token] | None = None, end: int = -1,
+                 labels: frozenset[str] = frozenset()):
         self.shown = re.sub(r"\s", " ", tex)  # on one line, one column per character
         self.tokens = tokenize(self.shown) if tokens is None else tokens
         self.end = len(self.shown) if end < 0 else end  # the column of the end (or a "}")
+        self.labels = labels  # superscripts the user names as labels of a tensor's name
         self.k = 0
 
     def error(self, message: str, *cols: int) -> EinattnError:
@@ -63,7 +65,7 @@ class Reader:
         while depth:
             depth += {"{": 1, "}": -1}.get(self.take().value, 0)
         closing = self.tokens[self.k - 1]
-        return Reader(self.shown, self.tokens[start:self.k - 1], closing.col)
+        return Reader(self.shown, self.tokens[start:self.k - 1], closing.col, self.labels)
 
 
 def tokenize(shown: str) -> list[Token]:

@@ -17,6 +17,12 @@ back. Seed 003's scores, and the equation they are read as::
   or ``(W_{O})``, is ``W_Q``, ``W_O``; ``\text{Attention}(Q,K,V)`` is ``Attention`` (its
   arguments only label it; ``\mathrm``, ``\operatorname`` alike); ``\tilde{A}``,
   ``\hat{A}``, ``\bar{A}`` are ``A_tilde``, ``A_hat``, ``A_bar``.
+* A label above is part of the name, as papers write names: ``W^{O}_{\mu a i}`` is
+  ``W_O[μ a i]``, ``W^{(O)}`` is ``W_O``, ``h^{(l)}`` is ``h_l``, ``E^{\text{pos}}`` is
+  ``E_pos``. A superscript is a label when it is capitals (``O``, ``QK``), one upright
+  word, one symbol in parentheses (a letter, a number or a word), or one that ``labels``
+  names (``labels={"q"}`` reads ``W^{q}`` as ``W_q``); any other holds indices, as
+  ``V^{\ \tau'}`` does. ``T``, ``\top`` and ``\intercal`` above are transposes, refused.
 * The right side is a product (``\cdot`` and spacing allowed) with one scale at most,
   ``\frac{…}{\sqrt{s}}``, ``\frac{1}{\sqrt{s}}`` or ``/ \sqrt{s}``: divide by the square
   root of an index's size. ``size_names`` ties ``s`` to an index (seed 003 indexes the head
@@ -34,7 +40,7 @@ its place in the LaTeX.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import NamedTuple
@@ -86,15 +92,21 @@ class _Product:
     sums: list[_Index] = field(default_factory=list)
 
 
-def read(tex: str, size_names: Mapping[str, str] | None = None) -> str:
+def read(tex: str, size_names: Mapping[str, str] | None = None,
+         labels: Iterable[str] = ()) -> str:
     r"""The einattn equation that LaTeX ``tex`` writes, by the rules of this module.
 
     >>> read(r"S_{\tau \tau'} = \frac{Q_{\tau a} K_{\tau'}^{\ \ a}}{\sqrt{d_a}}")
     'S[τ τʹ] = Q[τ a] K[τʹ a] / √a'
+    >>> read(r"Y_{\tau i} = Z_{\mu \tau a} W^{O}_{\mu a i}")
+    'Y[τ i] = Z[μ τ a] W_O[μ a i]'
     """
     if not isinstance(tex, str):
         raise EinattnError(f"from_latex reads a string of LaTeX, got {type(tex).__name__}")
-    r = Reader(tex)
+    if isinstance(labels, str) or not all(isinstance(x, str) for x in labels):
+        raise EinattnError(f"labels is a collection of superscripts, such as {{'l'}}, got "
+                           f"{labels!r}")
+    r = Reader(tex, labels=frozenset(labels))
     out, product = _equation(r)
     indices = {i.name for t in (out, *product.terms) for i in t.indices()}
     scale = _scale_index(r, product.scale, indices, size_names or {})
@@ -188,12 +200,58 @@ def _term(r: Reader) -> _Term:
         if mark.value in places:
             raise r.error(f"a second {'sub' if mark.value == '_' else 'super'}script on "
                           f"{name}", mark.col)
-        places[mark.value] = _places(r)
+        label = _label(r, name) if mark.value == "^" else None
+        if label is None:
+            places[mark.value] = _places(r)
+        else:  # W^{O}: part of the name, W_O (before an accent's suffix: A_O_tilde)
+            head, _, accent = name.rpartition("_")
+            name = f"{head}_{label}_{accent}" if accent in _ACCENT_COMMANDS else f"{name}_{label}"
+            places["^"] = []
     return _Term(name, col, _merged(r, name, places.get("_", []), places.get("^", [])))
 
 
+def _label(r: Reader, name: str) -> str | None:
+    """The label a superscript adds to a tensor's name, read; or None, and nothing read, for
+    a superscript of indices (the rules are in the module docstring)."""
+    start = r.k
+    inner = r.braced("").tokens if r.peek().value == "{" else [r.take()]
+    if len(inner) == 1 and inner[0].value in WORDS and r.peek().value == "{":
+        inner += r.braced("").tokens  # ^\text{pos}, unbraced
+    values = [LETTERS.get(t.value, t.value) for t in inner if t.value not in ("{", "}")]
+    text = "".join(values)
+    if text not in r.labels and values in (["T"], [r"\top"], [r"\intercal"]):
+        named = (f"; if T is part of the name {name}_T, write {name}^{{(T)}} or pass "
+                 "labels={'T'}") if text == "T" else ""
+        raise r.error(f"{name}^{text} is a transpose, which index notation writes by the order "
+                      f"of the indices ((A^T)_{{ij}} is A_{{ji}}){named}", inner[0].col)
+    label = text if text in r.labels else _label_of(values)
+    if label is None:
+        r.k = start
+    return label
+
+
+def _label_of(values: list[str]) -> str | None:
+    """Capitals (``O``, ``QK``), an upright word, or one symbol in parentheses: a letter, a
+    number or an upright word (``(O)``, ``(l)``, ``(12)``); each token's value given."""
+    if values[:1] == ["("] and values[-1:] == [")"]:
+        inner = values[1:-1]
+        one = (len(inner) == 1 and inner[0].isalnum()) or all(map(str.isdigit, inner))
+        return "".join(inner) if one and inner else _upright(inner)
+    text = "".join(values)
+    if text.isascii() and text.isalnum() and text[0].isupper() and text.isupper():
+        return text
+    return _upright(values)
+
+
+def _upright(values: list[str]) -> str | None:
+    if len(values) > 1 and values[0] in WORDS and all(v.isalnum() for v in values[1:]):
+        return "".join(values[1:])
+    return None
+
+
 def _name(r: Reader, *, subscripted: bool) -> tuple[str, int]:
-    """A tensor's name; inside parentheses (``subscripted``) it may have a subscript."""
+    r"""A tensor's name; inside parentheses (``subscripted``) it may have a subscript,
+    ``W_{O}`` or ``W_{\mathrm{QK}}``."""
     token = r.take()
     if token.value in WORDS:
         name = word(r, token)
@@ -209,7 +267,7 @@ def _name(r: Reader, *, subscripted: bool) -> tuple[str, int]:
         r.take()
         inner = r.braced("").tokens if r.peek().value == "{" else [r.take()]
         name += "_" + "".join(t.value if t.value.isalnum() else letter(r, t, "a name")
-                              for t in inner)
+                              for t in inner if t.value not in (*WORDS, "{", "}"))
     return name + primes(r), token.col
 
 
@@ -248,12 +306,22 @@ def _merged(r: Reader, name: str, below: list, above: list) -> tuple[_Axis, ...]
     axes = []
     for k, (low, high) in enumerate(zip_longest(below, above)):
         if low and high:
-            raise r.error(f"{name} has an index below and one above in place {k + 1}: hold "
-                          "the place of one with '\\ ', as in X_{\\tau}^{\\ i}",
+            raise r.error(f"{name} has an index below and one above in place {k + 1}: if "
+                          "both are indices, hold the place of one with '\\ ', as in "
+                          "X_{\\tau}^{\\ i}" + _label_advice(name, above),
                           low.indices[0].col, high.indices[0].col)
         if low or high:
             axes.append(low or high)
     return tuple(axes)
+
+
+def _label_advice(name: str, above: list[_Axis | None]) -> str:
+    """How to say that a superscript of one index is a label of ``name`` instead."""
+    if len(above) != 1 or above[0] is None or len(above[0].indices) != 1:
+        return ""
+    label = above[0].indices[0].name
+    return (f"; if {label} is part of the name {name}_{label}, write {name}^{{({symbol(label)})}}"
+            f" or pass labels={{{label!r}}}")
 
 
 def _scale_index(r: Reader, scale: Reader | None, indices: set[str],
