@@ -378,8 +378,12 @@ class Equation:
                 if not unknown and known != n:
                     raise at(f"{label} has length {n} but {product} gives {known}",
                              self.text, *positions)
+                divisor = f"{product} = {known}" if "·" in product else product
+                if unknown and n == known == 0:  # 0 = 0 · anything
+                    raise at(f"{label} has length 0, and with {divisor} any size of "
+                             f"{unknown[0]} fits: give it as a keyword, {unknown[0]}=...",
+                             self.text, *positions)
                 if unknown and (known == 0 or n % known):
-                    divisor = f"{product} = {known}" if "·" in product else product
                     raise at(f"{label} has length {n}, not divisible by {divisor}",
                              self.text, *positions)
                 if unknown:
