@@ -235,10 +235,23 @@ def test_a_size_past_its_edge_is_one_usage_error_before_any_tensor(capsys, argv,
 
 def test_the_memory_error_states_the_estimate_and_the_limit(capsys):
     code, out, err = run(capsys, "verify", "--seq", "10000")
-    assert_usage_error(code, out, err, "verify would hold S[n μ τ σ] of 800,000,000 float64 "
+    assert_usage_error(code, out, err, "verify at --batch 2 --seq 10000 --d-model 16 --heads 4 "
+                       "would hold S[n μ τ σ] (the scores of (2)) of 800,000,000 float64 "
                        "elements (6.0 GiB), over the limit of 1.0 GiB for one tensor")
     sizes = derivation.with_value_width(derivation.default_sizes(L=10_000))
     assert cli.largest_tensor(sizes, cli.VERIFY_TENSORS) == ("S[n μ τ σ]", 2 * 4 * 10_000**2)
+
+
+def test_the_memory_error_names_the_run_asked_for_and_what_the_tensor_is(capsys):
+    """Issue 34: wide heads made the main job refuse with the linear-attention steps' H[n μ τ
+    a c] alone, a tensor the user never asked for; the refusal names the run and its sizes."""
+    code, out, err = run(capsys, "--d-model", "8192", "--heads", "1", "--seq", "64",
+                         "--kv-heads", "1")
+    assert_usage_error(code, out, err, "einattn: error: the main job at --batch 2 --seq 64 "
+                       "--d-model 8192 --heads 1 --kv-heads 1 would hold H[n μ τ a c] (the "
+                       "linear-attention steps' prefix sums, with c = a + 3) of 8,593,080,320 "
+                       "float64 elements (64.0 GiB)")
+    assert set(cli.options.HELD) == set(cli.VERIFY_TENSORS) >= set(cli.TRACE_TENSORS)
 
 
 # Sizes at which each tensor of the estimate is the largest in turn (in the comment; H[n μ τ
