@@ -42,7 +42,7 @@ Run = Callable[[dict, dict], Any]  # (arguments, sizes) -> the node's value
 # (plain functions, never an operator.methodcaller: dynamo cannot trace one inside an
 # autograd.Function, as the chunked path runs these)
 _ALONG = {"softmax": _softmax.guarded, "logsumexp": _softmax.logsumexp,
-          "max": lambda t: t.amax(-1), "sum": lambda t: t.sum(-1)}
+          "max": _softmax.maximum, "sum": lambda t: t.sum(-1)}
 _LOGITS = ("softmax", "logsumexp")  # functions that take floating-point logits only
 
 

@@ -106,17 +106,28 @@ def _fresh(S: torch.Tensor) -> torch.Tensor:
 
 def guarded(logits: torch.Tensor) -> torch.Tensor:
     """``softmax_σ(logits)`` over the last axis, a row whose every logit is −∞ exact zeros
-    with zero gradients (NaN, being no −∞, still propagates)."""
-    dead = logits.amax(dim=-1, keepdim=True) == float("-inf")
+    with zero gradients (NaN, being no −∞, still propagates); over an empty axis, empty."""
+    dead = (maximum(logits) == float("-inf"))[..., None]
     return torch.softmax(logits.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
 
 
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """``log Σ_σ exp(logits)`` over the last axis: ``torch.logsumexp``, whose gradient on a
-    row of −∞ (the empty sum, −∞ itself) is zeros rather than NaN."""
-    dead = logits.amax(dim=-1, keepdim=True) == float("-inf")
+    row of −∞ (the empty sum, −∞ itself) is zeros rather than NaN; over an empty axis −∞."""
+    dead = (maximum(logits) == float("-inf"))[..., None]
     lse = torch.logsumexp(logits.masked_fill(dead, 0.0), dim=-1)
     return lse.masked_fill(dead.squeeze(-1), float("-inf"))
+
+
+def maximum(t: torch.Tensor) -> torch.Tensor:
+    """``max_σ t`` over the last axis; over an empty axis the identity of max, as 0 is the
+    empty sum's: −∞ (an integer dtype's least value, False for bool). The result stays on
+    t's graph, so that a backward through it runs (t's gradient being empty)."""
+    if t.shape[-1] == 0:
+        least = (float("-inf") if t.is_floating_point() else False if t.dtype == torch.bool
+                 else torch.iinfo(t.dtype).min)
+        t = torch.cat([t, t.new_full((*t.shape[:-1], 1), least)], dim=-1)
+    return t.amax(dim=-1)
 
 
 def with_sink(S: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:

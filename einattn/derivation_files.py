@@ -16,12 +16,17 @@ environment included; its ``\\begin`` and ``\\end`` lines are skipped); its ``si
 line may name an index as a command (``\\tau'=5``) and tie a size name to an index
 (``d_k=a``: ``\\sqrt{d_k}`` is the square root of the size of ``a``). Without a ``sizes:``
 line every index gets a size of its own, 2, 3, 4, ... in order of first appearance, so
-that no swap of two indices can hide behind equal sizes.
+that no swap of two indices can hide behind equal sizes. An index that only a later line
+writes takes its size from the first line's shapes where a tensor of the first line fixes
+it: ``= Q[τ b] K[σ b]`` after ``Q[τ a] K[σ a]`` renames the summed index, and ``b`` has
+the size of ``a``.
 
 Each step is :func:`einattn.verify.check_equivalent` of ``Out = first`` against
 ``Out = this``: the tensors are drawn once by name, so ``W[(μ B a) i]`` and
 ``W[μ B a i]`` are one tensor, grouped and opened; exact (integer) mode where both sides
-are pure contractions, float64 where one divides by ``√index``.
+are pure contractions, float64 where one divides by ``√index``. A line with a tensor the
+first line does not have fails without a comparison (that tensor would be drawn on its
+own), saying so.
 
     >>> text = "```derivation\\nY[τ j] = X[τ i] W[i j]\\n= W[i j] X[τ i]\\n```\\n"
     >>> [c.verdict for block in read_blocks(text) for c in check_block(block)]
@@ -74,6 +79,18 @@ class Block:
     steps: tuple[Step, ...]
     sizes: dict[str, int]
     sizes_given: bool  # False: the default sizes, all distinct
+    inferred: tuple[str, ...] = ()  # indices of later lines sized by the first line's shapes
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A block that cannot be checked as written: where it opens, and the error saying why
+    (naming the file and the line)."""
+
+    source: str
+    kind: str
+    opened: int  # the line of its opening fence
+    error: EinattnError
 
 
 @dataclass(frozen=True)
@@ -102,18 +119,43 @@ class Checked:
 def read_file(path: str | Path) -> list[Block]:
     """The derivation blocks of the markdown file at ``path`` (``OSError`` if it cannot be
     read, ``EinattnError`` naming the line if a block is wrong or there is none)."""
+    return _accepted(read_file_each(path))
+
+
+def read_file_each(path: str | Path) -> list[Block | Refused]:
+    """Each derivation block of the file at ``path``, or why it is refused (``OSError`` if
+    the file cannot be read, ``EinattnError`` if it has no derivation block)."""
     text = Path(path).read_text(encoding="utf-8")
-    blocks = read_blocks(text, str(path))
-    if not blocks:
+    found = read_each(text, str(path))
+    if not found:
         raise EinattnError(f"{path}: no derivation blocks (fenced blocks whose info string "
                            f"is {' or '.join(KINDS)})")
-    return blocks
+    return found
 
 
 def read_blocks(text: str, source: str = "<text>") -> list[Block]:
-    """Every ``derivation`` and ``derivation-latex`` block of markdown ``text``, parsed."""
-    return [_block(kind, opened, lines, source)
-            for kind, opened, lines in fenced(text, source) if kind in KINDS]
+    """Every ``derivation`` and ``derivation-latex`` block of markdown ``text``, parsed;
+    the first that is wrong raises its ``EinattnError``."""
+    return _accepted(read_each(text, source))
+
+
+def read_each(text: str, source: str = "<text>") -> list[Block | Refused]:
+    """Every derivation block of markdown ``text``, parsed, or refused with its error."""
+    found: list[Block | Refused] = []
+    for kind, opened, lines in fenced(text, source):
+        if kind in KINDS:
+            try:
+                found.append(_block(kind, opened, lines, source))
+            except EinattnError as error:
+                found.append(Refused(source, kind, opened, error))
+    return found
+
+
+def _accepted(found: list[Block | Refused]) -> list[Block]:
+    for block in found:
+        if isinstance(block, Refused):
+            raise block.error
+    return found  # type: ignore[return-value]  # no Refused left
 
 
 def fenced(text: str, source: str = "<text>") -> list[tuple[str, int, list[Line]]]:
@@ -152,8 +194,8 @@ def _block(kind: str, opened: int, lines: list[Line], source: str) -> Block:
     first = Step(lines[0], _equation(kind, lines[0], source, names))
     lhs = lines[0].text.split("=", 1)[0].replace("&", "")
     steps = tuple(_step(kind, lhs, line, first, source, names) for line in lines[1:])
-    sizes = _sizes(first, steps, given, source)
-    return Block(source, kind, first, steps, sizes, given is not None)
+    sizes, inferred = _sizes(first, steps, given, source)
+    return Block(source, kind, first, steps, sizes, given is not None, inferred)
 
 
 def _step(kind: str, lhs: str, line: Line, first: Step, source: str,
@@ -208,22 +250,55 @@ def _index_name(text: str) -> str:
 # -- sizes ----------------------------------------------------------------------------------
 
 def _sizes(first: Step, steps: tuple[Step, ...], given: dict[str, int] | None,
-           source: str) -> dict[str, int]:
-    """The size of every index of the block: from its ``sizes:`` line, which must name
-    them all, or 2, 3, 4, ... in order of first appearance."""
-    everything = (first, *steps)
-    indices = list(dict.fromkeys(i for s in everything for i in s.equation.indices))
+           source: str) -> tuple[dict[str, int], tuple[str, ...]]:
+    """The size of every index of the block, and those of later lines read from the first
+    line's shapes: the ``sizes:`` line must name every index of the first line, and every
+    other that no tensor of the first line fixes; without it, 2, 3, 4, ... in order of
+    first appearance."""
+    indices = list(dict.fromkeys(i for s in (first, *steps) for i in s.equation.indices))
+    firsts = [i for i in indices if i in first.equation.indices]
     if given is None:
-        sizes = {index: k for k, index in enumerate(indices, 2)}
+        sizes = {index: k for k, index in enumerate(firsts, 2)}
     else:
-        for step in everything:
-            missing = [i for i in step.equation.indices if i not in given]
-            if missing:
-                raise EinattnError(f"{source}:{step.line.number}: the sizes: line gives no "
-                                   f"size for index {missing[0]!r} (it gives "
-                                   f"{', '.join(given) or 'none'})")
+        for index in (i for i in firsts if i not in given):
+            raise _no_size(source, first.line.number, index, given)
         sizes = {index: size for index, size in given.items() if index in indices}
-    for step in everything:
+    inferred = _from_shapes(first, steps, sizes)
+    sizes |= inferred
+    for k, index in enumerate([i for i in indices if i not in sizes], len(sizes) + 2):
+        if given is not None:
+            line = next(s for s in steps if index in s.equation.indices).line.number
+            raise _no_size(source, line, index, given, ", and no tensor of the first line "
+                                                       "fixes it")
+        sizes[index] = k
+    _within_limit((first, *steps), sizes, source)
+    _same_shapes(first, (), sizes, source, given is None)
+    return sizes, tuple(inferred)
+
+
+def _no_size(source: str, line: int, index: str, given: dict[str, int],
+             why: str = "") -> EinattnError:
+    return EinattnError(f"{source}:{line}: the sizes: line gives no size for index {index!r} "
+                        f"(it gives {', '.join(given) or 'none'}){why}")
+
+
+def _from_shapes(first: Step, steps: tuple[Step, ...], sizes: dict[str, int]) -> dict[str, int]:
+    """The size of each index of a later line that ``sizes`` lacks, where a tensor of the
+    first line fixes it: in ``Q[τ b]`` after ``Q[τ a]``, ``b`` is the size of ``a``."""
+    shapes = {t.name: [sizes[i] for i in t.indices] for t in first.equation.terms}
+    found: dict[str, int] = {}
+    for step in steps:
+        for term in step.equation.terms:
+            shape = shapes.get(term.name)
+            if shape is not None and len(shape) == len(term.indices):
+                for index, n in zip(term.indices, shape, strict=True):
+                    if index not in sizes:
+                        found.setdefault(index, n)
+    return found
+
+
+def _within_limit(steps: tuple[Step, ...], sizes: dict[str, int], source: str) -> None:
+    for step in steps:
         equation = step.equation
         for term in (equation.lhs, *equation.terms):
             elements = math.prod(sizes[i] for i in term.indices)
@@ -231,8 +306,6 @@ def _sizes(first: Step, steps: tuple[Step, ...], given: dict[str, int] | None,
                 raise EinattnError(f"{source}:{step.line.number}: {term.text()} would have "
                                    f"{elements:,} elements, over the limit of "
                                    f"{MAX_ELEMENTS:,}: choose smaller sizes")
-    _same_shapes(first, (), sizes, source, given is None)
-    return sizes
 
 
 def _same_shapes(first: Step, others: tuple[Step, ...], sizes: dict[str, int], source: str,
@@ -271,6 +344,9 @@ def _check_step(block: Block, step: Step, exact_only: bool, seed: int) -> Checke
         why = "divides by a square root" if lhs.is_contraction and rhs.is_contraction \
             else "applies functions, no contraction"
         return Checked(block, step, mode, reason=f"skipped: {why}, float mode only")
+    new = _not_in_first(block.first.equation, rhs)
+    if new:
+        return Checked(block, step, mode, reason=new)
     shapes = _same_shapes(block.first, (step,), block.sizes, block.source, False)
     if shapes:
         return Checked(block, step, mode, reason=shapes)
@@ -280,6 +356,20 @@ def _check_step(block: Block, step: Step, exact_only: bool, seed: int) -> Checke
     except AssertionError as mismatch:  # the sides have different shapes
         return Checked(block, step, mode, reason=str(mismatch))
     return Checked(block, step, mode, report)
+
+
+def _not_in_first(first: Equation, rhs: Equation) -> str:
+    """Why ``rhs`` cannot be checked against ``first``: a tensor (or scalar) that ``first``
+    does not have, which would be drawn on its own; or ""."""
+    names = {t.name for t in first.terms} | set(getattr(first, "scalars", ()))
+    for term in rhs.terms:
+        if term.name not in names:
+            return (f"{term.text()} does not appear in the first line ({first.text}): it "
+                    f"would be drawn on its own, so the line cannot equal the first; write "
+                    f"it with the first line's tensors, or start a block for it")
+    extra = [c for c in getattr(rhs, "scalars", ()) if c not in names]
+    return (f"the scalar {extra[0]} does not appear in the first line ({first.text}): it "
+            f"would be drawn on its own, so the line cannot equal the first") if extra else ""
 
 
 def _opened_inputs(*equations: Equation) -> dict[str, str]:

@@ -17,6 +17,12 @@ back. Seed 003's scores, and the equation they are read as::
   or ``(W_{O})``, is ``W_Q``, ``W_O``; ``\text{Attention}(Q,K,V)`` is ``Attention`` (its
   arguments only label it; ``\mathrm``, ``\operatorname`` alike); ``\tilde{A}``,
   ``\hat{A}``, ``\bar{A}`` are ``A_tilde``, ``A_hat``, ``A_bar``.
+* A label above is part of the name, as papers write names: ``W^{O}_{\mu a i}`` is
+  ``W_O[μ a i]``, ``W^{(O)}`` is ``W_O``, ``h^{(l)}`` is ``h_l``, ``E^{\text{pos}}`` is
+  ``E_pos``. A superscript is a label when it is capitals (``O``, ``QK``), one upright
+  word, one symbol in parentheses (a letter, a number or a word), or one that ``labels``
+  names (``labels={"q"}`` reads ``W^{q}`` as ``W_q``); any other holds indices, as
+  ``V^{\ \tau'}`` does. ``T``, ``\top`` and ``\intercal`` above are transposes, refused.
 * The right side is a product (``\cdot`` and spacing allowed) with one scale at most,
   ``\frac{…}{\sqrt{s}}``, ``\frac{1}{\sqrt{s}}`` or ``/ \sqrt{s}``: divide by the square
   root of an index's size. ``size_names`` ties ``s`` to an index (seed 003 indexes the head
@@ -34,31 +40,30 @@ its place in the LaTeX.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import NamedTuple
 
-from ._syntax import _GREEK, Parsed, Term, latex_symbol, parse
+from ._latex_reader import (
+    FORM,
+    LETTERS,
+    NOT_PRODUCTS,
+    PRIME,
+    SPACES,
+    WORDS,
+    Reader,
+    letter,
+    primes,
+    skip_arguments,
+    unreadable,
+    word,
+)
+from ._syntax import Parsed, Term, latex_symbol, parse
 from .errors import EinattnError, at
 
-_TOKEN = re.compile(r"\s*(?:(?P<cmd>\\(?:[A-Za-z]+|[\s\S]))|(?P<char>\S))")
-_SPACES = {"\\ ", "\\,", "\\;", "\\:", "\\!", r"\quad", r"\qquad"}
-_IGNORED = {"&", r"\nonumber", r"\notag", r"\displaystyle"}
-_LETTERS = {command: letter for letter, command in _GREEK.items()}  # \tau -> τ
-_WORDS = {r"\text", r"\mathrm", r"\operatorname"}
 _ACCENTS = {r"\tilde": "tilde", r"\hat": "hat", r"\bar": "bar"}  # \tilde{A} -> A_tilde
 _ACCENT_COMMANDS = {suffix: command for command, suffix in _ACCENTS.items()}
-_PRIME = "ʹ"  # U+02B9 MODIFIER LETTER PRIME: a letter, so τʹ is an identifier
-_NOT_PRODUCTS = {"softmax": "a softmax", r"\exp": "an exponential", "+": "a sum of terms",
-                 "-": "a difference", r"\in": "a declaration ∈ ℝ^{…}", r"\leftarrow": "an update"}
-_FORM = r"from_latex reads one product, Out_{…} = A_{…} B_{…} / \sqrt{d}"
-
-
-class _Token(NamedTuple):
-    kind: str  # "cmd" (a backslash and what follows), "char", or "end"
-    value: str
-    col: int  # where it is in the LaTeX
 
 
 class _Index(NamedTuple):
@@ -83,19 +88,25 @@ class _Term(NamedTuple):
 @dataclass
 class _Product:
     terms: list[_Term] = field(default_factory=list)
-    scale: _Reader | None = None  # over the tokens inside \sqrt{…}
+    scale: Reader | None = None  # over the tokens inside \sqrt{…}
     sums: list[_Index] = field(default_factory=list)
 
 
-def read(tex: str, size_names: Mapping[str, str] | None = None) -> str:
+def read(tex: str, size_names: Mapping[str, str] | None = None,
+         labels: Iterable[str] = ()) -> str:
     r"""The einattn equation that LaTeX ``tex`` writes, by the rules of this module.
 
     >>> read(r"S_{\tau \tau'} = \frac{Q_{\tau a} K_{\tau'}^{\ \ a}}{\sqrt{d_a}}")
     'S[τ τʹ] = Q[τ a] K[τʹ a] / √a'
+    >>> read(r"Y_{\tau i} = Z_{\mu \tau a} W^{O}_{\mu a i}")
+    'Y[τ i] = Z[μ τ a] W_O[μ a i]'
     """
     if not isinstance(tex, str):
         raise EinattnError(f"from_latex reads a string of LaTeX, got {type(tex).__name__}")
-    r = _Reader(tex)
+    if isinstance(labels, str) or not all(isinstance(x, str) for x in labels):
+        raise EinattnError(f"labels is a collection of superscripts, such as {{'l'}}, got "
+                           f"{labels!r}")
+    r = Reader(tex, labels=frozenset(labels))
     out, product = _equation(r)
     indices = {i.name for t in (out, *product.terms) for i in t.indices()}
     scale = _scale_index(r, product.scale, indices, size_names or {})
@@ -108,87 +119,34 @@ def read(tex: str, size_names: Mapping[str, str] | None = None) -> str:
     return text
 
 
-class _Reader:
-    """The tokens of one LaTeX equation and a cursor; errors point into the LaTeX."""
-
-    def __init__(self, tex: str, tokens: list[_Token] | None = None, end: int = -1):
-        self.shown = re.sub(r"\s", " ", tex)  # on one line, one column per character
-        self.tokens = _tokens(self.shown) if tokens is None else tokens
-        self.end = len(self.shown) if end < 0 else end  # the column of the end (or a "}")
-        self.k = 0
-
-    def error(self, message: str, *cols: int) -> EinattnError:
-        return at(message, self.shown, *cols)
-
-    def peek(self, ahead: int = 0) -> _Token:
-        k = self.k + ahead
-        return self.tokens[k] if k < len(self.tokens) else _Token("end", "", self.end)
-
-    def take(self) -> _Token:
-        self.k += 1
-        return self.peek(-1)
-
-    def expect(self, value: str, where: str) -> _Token:
-        token = self.take()
-        if token.value != value:
-            found = "the end" if token.kind == "end" else repr(token.value)
-            raise self.error(f"expected {value!r} {where} but found {found}", token.col)
-        return token
-
-    def braced(self, where: str) -> _Reader:
-        """A reader of what is inside the ``{…}`` that comes next (braces are balanced)."""
-        self.expect("{", where)
-        start, depth = self.k, 1
-        while depth:
-            depth += {"{": 1, "}": -1}.get(self.take().value, 0)
-        closing = self.tokens[self.k - 1]
-        return _Reader(self.shown, self.tokens[start:self.k - 1], closing.col)
-
-
-def _tokens(shown: str) -> list[_Token]:
-    tokens = [_Token(m.lastgroup, m.group(m.lastgroup), m.start(m.lastgroup))
-              for m in _TOKEN.finditer(shown)]
-    tokens = [t for t in tokens if t.value not in _IGNORED]
-    tokens = tokens[:-1] if tokens and tokens[-1].value == "\\\\" else tokens  # an aligned \\
-    opened = []
-    for t in tokens:
-        if t.value == "}" and not opened:
-            raise at("unbalanced braces: this '}' closes nothing", shown, t.col)
-        opened += [t.col] if t.value == "{" else []
-        opened = opened[:-1] if t.value == "}" else opened
-    if opened:
-        raise at("unbalanced braces: this '{' is never closed", shown, opened[-1])
-    return tokens
-
-
-def _equation(r: _Reader) -> tuple[_Term, _Product]:
+def _equation(r: Reader) -> tuple[_Term, _Product]:
     if not any(t.value == "=" for t in r.tokens):
-        raise r.error(f"no '=': this is an expression; {_FORM}", r.peek().col)
+        raise r.error(f"no '=': this is an expression; {FORM}", r.peek().col)
     out = _term(r)
     if r.peek().value != "=":
         second = _term(r)  # or an error saying why it is not a tensor either
-        raise r.error(f"the left side must be one tensor, the output: {_FORM}", second.col)
+        raise r.error(f"the left side must be one tensor, the output: {FORM}", second.col)
     token = r.take()
     product = _Product()
     _factors(r, product)
     if not product.terms:
-        raise r.error(f"no tensor on the right: {_FORM}", token.col)
+        raise r.error(f"no tensor on the right: {FORM}", token.col)
     return out, product
 
 
-def _factors(r: _Reader, product: _Product) -> None:
+def _factors(r: Reader, product: _Product) -> None:
     """Tensors, spacing, ``\\sum_{…}`` and the scale, up to the end of ``r``."""
     while True:
         token = r.peek()
         if token.kind == "end":
             return
-        if token.value in _SPACES or token.value == r"\cdot":
+        if token.value in SPACES or token.value == r"\cdot":
             r.take()
         elif token.value == "=":
-            raise r.error(f"a second '=': {_FORM}; give each step of a chain on its own",
+            raise r.error(f"a second '=': {FORM}; give each step of a chain on its own",
                           token.col)
         elif token.value == "\\\\":
-            raise r.error(f"a line break: {_FORM}; give each line on its own", token.col)
+            raise r.error(f"a line break: {FORM}; give each line on its own", token.col)
         elif token.value == r"\sum":
             r.take()
             r.expect("_", r"after \sum")
@@ -202,7 +160,7 @@ def _factors(r: _Reader, product: _Product) -> None:
             product.terms.append(_term(r))
 
 
-def _fraction(r: _Reader, product: _Product) -> None:
+def _fraction(r: Reader, product: _Product) -> None:
     start = r.take().col
     numerator = r.braced(r"after \frac")
     if [t.value for t in numerator.tokens] != ["1"]:  # \frac{1}{\sqrt{d}}: tensors follow
@@ -213,7 +171,7 @@ def _fraction(r: _Reader, product: _Product) -> None:
         raise r.error(r"the denominator of \frac is \sqrt{size} alone", denominator.peek().col)
 
 
-def _root(r: _Reader, product: _Product, col: int) -> None:
+def _root(r: Reader, product: _Product, col: int) -> None:
     token = r.take()
     if token.value != r"\sqrt":
         raise r.error(r"a scale divides by \sqrt{size}, the square root of a size", token.col)
@@ -222,7 +180,7 @@ def _root(r: _Reader, product: _Product, col: int) -> None:
     product.scale = r.braced(r"after \sqrt")
 
 
-def _term(r: _Reader) -> _Term:
+def _term(r: Reader) -> _Term:
     token = r.peek()
     if token.value == "(" or (token.value == r"\left" and r.peek(1).value == "("):
         r.take()
@@ -234,93 +192,93 @@ def _term(r: _Reader) -> _Term:
         r.expect(")", f"closing the parentheses around {name}")
     else:
         name, col = _name(r, subscripted=False)
-        if token.value in _WORDS and r.peek().value in ("(", r"\left"):
-            _skip_arguments(r)  # \text{Attention}(Q,K,V): a label
+        if token.value in WORDS and r.peek().value in ("(", r"\left"):
+            skip_arguments(r)  # \text{Attention}(Q,K,V): a label
     places: dict[str, list[_Axis | None]] = {}
     while r.peek().value in ("_", "^"):
         mark = r.take()
         if mark.value in places:
             raise r.error(f"a second {'sub' if mark.value == '_' else 'super'}script on "
                           f"{name}", mark.col)
-        places[mark.value] = _places(r)
+        label = _label(r, name) if mark.value == "^" else None
+        if label is None:
+            places[mark.value] = _places(r)
+        else:  # W^{O}: part of the name, W_O (before an accent's suffix: A_O_tilde)
+            head, _, accent = name.rpartition("_")
+            name = f"{head}_{label}_{accent}" if accent in _ACCENT_COMMANDS else f"{name}_{label}"
+            places["^"] = []
     return _Term(name, col, _merged(r, name, places.get("_", []), places.get("^", [])))
 
 
-def _name(r: _Reader, *, subscripted: bool) -> tuple[str, int]:
-    """A tensor's name; inside parentheses (``subscripted``) it may have a subscript."""
+def _label(r: Reader, name: str) -> str | None:
+    """The label a superscript adds to a tensor's name, read; or None, and nothing read, for
+    a superscript of indices (the rules are in the module docstring)."""
+    start = r.k
+    inner = r.braced("").tokens if r.peek().value == "{" else [r.take()]
+    if len(inner) == 1 and inner[0].value in WORDS and r.peek().value == "{":
+        inner += r.braced("").tokens  # ^\text{pos}, unbraced
+    values = [LETTERS.get(t.value, t.value) for t in inner if t.value not in ("{", "}")]
+    text = "".join(values)
+    if text not in r.labels and values in (["T"], [r"\top"], [r"\intercal"]):
+        named = (f"; if T is part of the name {name}_T, write {name}^{{(T)}} or pass "
+                 "labels={'T'}") if text == "T" else ""
+        raise r.error(f"{name}^{text} is a transpose, which index notation writes by the order "
+                      f"of the indices ((A^T)_{{ij}} is A_{{ji}}){named}", inner[0].col)
+    label = text if text in r.labels else _label_of(values)
+    if label is None:
+        r.k = start
+    return label
+
+
+def _label_of(values: list[str]) -> str | None:
+    """Capitals (``O``, ``QK``), an upright word, or one symbol in parentheses: a letter, a
+    number or an upright word (``(O)``, ``(l)``, ``(12)``); each token's value given."""
+    if values[:1] == ["("] and values[-1:] == [")"]:
+        inner = values[1:-1]
+        one = (len(inner) == 1 and inner[0].isalnum()) or all(map(str.isdigit, inner))
+        return "".join(inner) if one and inner else _upright(inner)
+    text = "".join(values)
+    if text.isascii() and text.isalnum() and text[0].isupper() and text.isupper():
+        return text
+    return _upright(values)
+
+
+def _upright(values: list[str]) -> str | None:
+    if len(values) > 1 and values[0] in WORDS and all(v.isalnum() for v in values[1:]):
+        return "".join(values[1:])
+    return None
+
+
+def _name(r: Reader, *, subscripted: bool) -> tuple[str, int]:
+    r"""A tensor's name; inside parentheses (``subscripted``) it may have a subscript,
+    ``W_{O}`` or ``W_{\mathrm{QK}}``."""
     token = r.take()
-    if token.value in _WORDS:
-        name = _word(r, token)
-        if name in _NOT_PRODUCTS:
-            raise _unreadable(r, token._replace(value=name))
+    if token.value in WORDS:
+        name = word(r, token)
+        if name in NOT_PRODUCTS:
+            raise unreadable(r, token._replace(value=name))
     elif token.value in _ACCENTS:
         r.expect("{", f"after {token.value}")
         name = f"{_name(r, subscripted=True)[0]}_{_ACCENTS[token.value]}"
         r.expect("}", f"closing {token.value}")
     else:
-        name = _letter(r, token, "a tensor")
+        name = letter(r, token, "a tensor")
     if subscripted and r.peek().value == "_":
         r.take()
         inner = r.braced("").tokens if r.peek().value == "{" else [r.take()]
-        name += "_" + "".join(t.value if t.value.isalnum() else _letter(r, t, "a name")
-                              for t in inner)
-    return name + _primes(r), token.col
+        name += "_" + "".join(t.value if t.value.isalnum() else letter(r, t, "a name")
+                              for t in inner if t.value not in (*WORDS, "{", "}"))
+    return name + primes(r), token.col
 
 
-def _word(r: _Reader, command: _Token) -> str:
-    inner = r.braced(f"after {command.value}").tokens
-    for t in inner:
-        if not t.value.isalnum():
-            raise r.error(f"{command.value}{{…}} names with letters and digits", t.col)
-    if not inner:
-        raise r.error(f"empty {command.value}{{}}", command.col)
-    return "".join(t.value for t in inner)
-
-
-def _letter(r: _Reader, token: _Token, what: str) -> str:
-    if token.value in _LETTERS:
-        return _LETTERS[token.value]
-    if token.kind == "char" and token.value.isalpha():
-        return token.value
-    if token.value.isdigit():
-        raise r.error(f"a number cannot be {what} (a fixed slice such as W_{{\\mu 0 i a}} is "
-                      "not a contraction): indices are letters", token.col)
-    raise _unreadable(r, token, what)
-
-
-def _unreadable(r: _Reader, token: _Token, what: str = "") -> EinattnError:
-    where = f" where {what} belongs" if what else ""
-    message = (f"{_NOT_PRODUCTS[token.value]} is not a contraction" if token.value in _NOT_PRODUCTS
-               else f"the equation ends{where}" if token.kind == "end"
-               else f"unknown command {token.value}{where}" if token.kind == "cmd"
-               else f"cannot read {token.value!r}{where}")
-    return r.error(f"{message}: {_FORM}", token.col)
-
-
-def _skip_arguments(r: _Reader) -> None:
-    opening, depth, token = r.peek(), 0, r.peek()
-    while depth or token.value != ")":
-        token = r.take()
-        depth += {"(": 1, ")": -1}.get(token.value, 0)
-        if token.kind == "end":
-            raise r.error("this '(' of an argument list is never closed", opening.col)
-
-
-def _primes(r: _Reader) -> str:
-    start = r.k
-    while r.peek().value == "'":
-        r.take()
-    return _PRIME * (r.k - start)
-
-
-def _places(r: _Reader) -> list[_Axis | None]:
+def _places(r: Reader) -> list[_Axis | None]:
     """One sub- or superscript: an axis per index or group, None per ``\\ `` spacer."""
     if r.peek().value != "{":
         return [_Axis((_index(r),), False)]
     inner = r.braced("")
     places: list[_Axis | None] = []
     while inner.peek().kind != "end":
-        if inner.peek().value in _SPACES:
+        if inner.peek().value in SPACES:
             inner.take()
             places.append(None)
         elif inner.peek().value == "(":
@@ -337,31 +295,41 @@ def _places(r: _Reader) -> list[_Axis | None]:
     return places
 
 
-def _index(r: _Reader) -> _Index:
+def _index(r: Reader) -> _Index:
     token = r.take()
-    name = _word(r, token) if token.value in _WORDS else _letter(r, token, "an index")
-    return _Index(name + _primes(r), token.col)
+    name = word(r, token) if token.value in WORDS else letter(r, token, "an index")
+    return _Index(name + primes(r), token.col)
 
 
-def _merged(r: _Reader, name: str, below: list, above: list) -> tuple[_Axis, ...]:
+def _merged(r: Reader, name: str, below: list, above: list) -> tuple[_Axis, ...]:
     """The slots of ``name``: place k below and place k above are one slot."""
     axes = []
     for k, (low, high) in enumerate(zip_longest(below, above)):
         if low and high:
-            raise r.error(f"{name} has an index below and one above in place {k + 1}: hold "
-                          "the place of one with '\\ ', as in X_{\\tau}^{\\ i}",
+            raise r.error(f"{name} has an index below and one above in place {k + 1}: if "
+                          "both are indices, hold the place of one with '\\ ', as in "
+                          "X_{\\tau}^{\\ i}" + _label_advice(name, above),
                           low.indices[0].col, high.indices[0].col)
         if low or high:
             axes.append(low or high)
     return tuple(axes)
 
 
-def _scale_index(r: _Reader, scale: _Reader | None, indices: set[str],
+def _label_advice(name: str, above: list[_Axis | None]) -> str:
+    """How to say that a superscript of one index is a label of ``name`` instead."""
+    if len(above) != 1 or above[0] is None or len(above[0].indices) != 1:
+        return ""
+    label = above[0].indices[0].name
+    return (f"; if {label} is part of the name {name}_{label}, write {name}^{{({symbol(label)})}}"
+            f" or pass labels={{{label!r}}}")
+
+
+def _scale_index(r: Reader, scale: Reader | None, indices: set[str],
                  size_names: Mapping[str, str]) -> _Index | None:
     """The index whose size ``\\sqrt{…}`` names (rules in the module docstring)."""
     if scale is None:
         return None
-    plain = [t for t in scale.tokens if t.value not in ("{", "}", *_WORDS)]
+    plain = [t for t in scale.tokens if t.value not in ("{", "}", *WORDS)]
     key, col = "".join(t.value for t in plain), scale.peek().col  # d_{\text{k}} is d_k
     named = {re.sub(r"\\(?:text|mathrm|operatorname)|[\s{}]", "", k): v
              for k, v in size_names.items()}
@@ -370,15 +338,15 @@ def _scale_index(r: _Reader, scale: _Reader | None, indices: set[str],
                       f"equation ({', '.join(sorted(indices))})", col)
     if [t.value for t in plain[:2]] == ["d", "_"] and len(plain) > 2:
         plain = plain[2:]  # d_x, d_{x}: the size of x
-    name = "".join(_LETTERS.get(t.value, t.value) for t in plain)
-    name = named.get(key, name.replace("'", _PRIME))
+    name = "".join(LETTERS.get(t.value, t.value) for t in plain)
+    name = named.get(key, name.replace("'", PRIME))
     if name not in indices:
         raise r.error(f"the size {key or '(empty)'} is no index's: write d_x for the size of "
                       f"index x, or pass size_names={{{key!r}: index}}", col)
     return _Index(name, col)
 
 
-def _check_sums(r: _Reader, out: _Term, product: _Product) -> None:
+def _check_sums(r: Reader, out: _Term, product: _Product) -> None:
     summed = {i.name for t in product.terms for i in t.indices()} - {i.name for i in out.indices()}
     for index in (i for i in product.sums if i.name not in summed):
         raise r.error(f"\\sum_{{{index.name}}} but {index.name} is not summed: it is on the "
@@ -423,7 +391,7 @@ def _relocated(error: EinattnError, text: str, cols: list[int], shown: str) -> E
 def symbol(name: str) -> str:
     """An index or tensor name as LaTeX: ``τʹ`` as ``\\tau'``, ``A_tilde`` as
     ``\\tilde{A}``, others as :func:`einattn._syntax.latex_symbol` writes them."""
-    base = name.rstrip(_PRIME)
+    base = name.rstrip(PRIME)
     primes = "'" * (len(name) - len(base))
     head, _, accent = base.rpartition("_")
     if head and accent in _ACCENT_COMMANDS:

@@ -16,7 +16,7 @@ cached per shape signature so a call in a training loop costs about one ``torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -171,10 +171,12 @@ class Equation:
         return render(self._parsed)
 
     @classmethod
-    def from_latex(cls, tex: str, size_names: dict[str, str] | None = None) -> Equation:
+    def from_latex(cls, tex: str, size_names: dict[str, str] | None = None,
+                   labels: Iterable[str] = ()) -> Equation:
         """An equation from LaTeX index notation, read as :mod:`einattn.latex` says;
-        ``size_names`` ties a size to an index: ``{"d_k": "a"}`` for ``\\sqrt{d_k}``."""
-        return cls(read(tex, size_names))
+        ``size_names`` ties a size to an index: ``{"d_k": "a"}`` for ``\\sqrt{d_k}``;
+        ``labels`` names superscripts that label a tensor: ``{"l"}`` reads ``h^{l}`` as ``h_l``."""
+        return cls(read(tex, size_names, labels))
 
     def __call__(self, **arguments: Any) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -376,8 +378,12 @@ class Equation:
                 if not unknown and known != n:
                     raise at(f"{label} has length {n} but {product} gives {known}",
                              self.text, *positions)
+                divisor = f"{product} = {known}" if "·" in product else product
+                if unknown and n == known == 0:  # 0 = 0 · anything
+                    raise at(f"{label} has length 0, and with {divisor} any size of "
+                             f"{unknown[0]} fits: give it as a keyword, {unknown[0]}=...",
+                             self.text, *positions)
                 if unknown and (known == 0 or n % known):
-                    divisor = f"{product} = {known}" if "·" in product else product
                     raise at(f"{label} has length {n}, not divisible by {divisor}",
                              self.text, *positions)
                 if unknown:

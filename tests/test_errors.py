@@ -155,6 +155,11 @@ SITES = [
          _calls(PROJECT, X=q(2, 5, 16), W=q(48, 16), μ=0, B=3),
          r"^group \(μ B a\) of W has length 48, not divisible by μ=0·B=3 = 0\n",
          PROJECT, tuple(col(PROJECT, x, 1) for x in "μBa")),
+    Site("{} has length 0, and with {} any size of {} fits: give it as a keyword, {}=...",
+         "group_of_length_zero_with_a_zero_size",
+         _calls(PROJECT, X=q(2, 5, 16), W=q(0, 16), μ=0, B=3),
+         r"^group \(μ B a\) of W has length 0, and with μ=0·B=3 = 0 any size of a fits: give "
+         r"it as a keyword, a=\.\.\.\n", PROJECT, tuple(col(PROJECT, x, 1) for x in "μBa")),
     Site("cannot infer the sizes of {} in group ({}) of {} (length {}): give all but one "
          "as keywords, e.g. {}=...", "cannot_infer_group_sizes",
          _calls(PROJECT, X=q(2, 5, 16), W=q(48, 16), μ=4),

@@ -479,3 +479,99 @@ def test_an_expression_traces_under_torch_compile():
     compiled = torch.compile(lambda **kw: eq(**kw), fullgraph=True, backend="aot_eager")
     close(compiled(Q=Q, K=K, V=V, M=M), eq(Q=Q, K=K, V=V, M=M))
     torch._dynamo.reset()
+
+
+# -- empty axes (issue 34): each function's value on the empty set, forward and backward ----
+
+def empty_max(S):
+    return torch.full(S.shape[:-1], -math.inf, dtype=S.dtype) if S.shape[-1] == 0 else S.amax(-1)
+
+
+ALONG_EMPTY = {  # text, reference over the last axis
+    "softmax": ("A[τ σ] = softmax_σ(S[τ σ])", lambda S: torch.softmax(S, dim=-1)),
+    "logsumexp": ("A[τ] = logsumexp_σ(S[τ σ])", lambda S: torch.logsumexp(S, dim=-1)),
+    "max": ("A[τ] = max_σ(S[τ σ])", empty_max),
+    "sum": ("A[τ] = sum_σ(S[τ σ])", lambda S: S.sum(-1)),
+}
+
+
+@pytest.mark.parametrize("shape", [(τ, 0), (0, σ), (0, 0)], ids=["σ=0", "τ=0", "both"])
+@pytest.mark.parametrize("name", ALONG_EMPTY)
+def test_a_function_along_an_empty_axis_gives_its_empty_value(name, shape):
+    text, reference = ALONG_EMPTY[name]
+    S = randn(*shape).requires_grad_()
+    out = Equation(text)(S=S)
+    expected = reference(S.detach())
+    assert out.shape == expected.shape and out.dtype == F64
+    assert torch.equal(out.detach(), expected)  # −∞ for logsumexp and max, 0 for sum
+    if shape == (τ, 0):
+        assert name == "softmax" or expected.eq(-math.inf if name != "sum" else 0).all()
+    (grad,) = torch.autograd.grad(out, S, torch.ones_like(out))  # on the graph: backward runs
+    assert grad.shape == S.shape
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("y[τ] = max(max_σ(S[τ σ]), x[τ])", "x"),  # −∞ is max's identity
+    ("y[τ] = log(exp(logsumexp_σ(S[τ σ])) + exp(x[τ]))", "x"),  # exp(−∞) = 0 adds nothing
+    ("y[τ] = sum_σ(S[τ σ]) + x[τ]", "x"),
+    ("y[τ] = x[τ] + sum_σ(softmax_σ(S[τ σ]) V[σ])", "x"),  # an empty softmax weighs nothing
+])
+def test_an_empty_reduction_is_the_identity_of_what_it_combines_by(text, expected):
+    S, x, V = randn(τ, 0).requires_grad_(), randn(τ, seed=1).requires_grad_(), randn(0, seed=2)
+    y = Equation(text)(S=S, x=x, V=V) if "V" in text else Equation(text)(S=S, x=x)
+    close(y, x)
+    gS, gx = torch.autograd.grad(y, (S, x), torch.ones_like(y))
+    assert gS.shape == (τ, 0) and torch.equal(gx, torch.ones(τ, dtype=F64))
+
+
+@pytest.mark.parametrize("dtype, least", [(torch.int32, -2**31), (torch.int64, -2**63),
+                                          (torch.bool, False)])
+def test_max_along_an_empty_axis_of_integers_is_their_least_value(dtype, least):
+    out = Equation("A[τ] = max_σ(S[τ σ])")(S=torch.zeros(τ, 0, dtype=dtype))
+    assert out.dtype == dtype and torch.equal(out, torch.full((τ,), least, dtype=dtype))
+
+
+ATTENTION = "Z[n μ τ b] = softmax_σ(Q[n μ τ a] K[n μ σ a] / √a + M[τ σ]) V[n μ σ b]"
+
+
+def attention_by_hand(Q, K, V, M):
+    S = torch.einsum("nmta,nmsa->nmts", Q, K) / math.sqrt(Q.shape[-1]) + M
+    return torch.einsum("nmts,nmsb->nmtb", torch.softmax(S, dim=-1), V)
+
+
+@pytest.mark.parametrize("empty", ["n", "μ", "τ", "σ", "b"])
+def test_attention_written_as_one_expression_runs_with_an_empty_axis(empty):
+    sizes = {"n": n, "μ": μ, "τ": τ, "σ": σ, "a": a, "b": c_} | {empty: 0}
+    shapes = {"Q": "n μ τ a", "K": "n μ σ a", "V": "n μ σ b", "M": "τ σ"}
+    tensors = {k: randn(*(sizes[i] for i in v.split()), seed=k2).requires_grad_()
+               for k2, (k, v) in enumerate(shapes.items())}
+    out = Equation(ATTENTION)(**tensors)
+    expected = attention_by_hand(**tensors)
+    close(out, expected)  # σ = 0: zeros, the empty weighted sum
+    weight = randn(*out.shape, seed=7)
+    got = torch.autograd.grad(out, list(tensors.values()), weight, allow_unused=True)
+    want = torch.autograd.grad(expected, list(tensors.values()), weight, allow_unused=True)
+    for name, g, w in zip(tensors, got, want, strict=True):
+        assert g is not None and g.shape == tensors[name].shape, name
+        close(g, torch.zeros_like(g) if w is None else w)
+
+
+def test_a_scale_by_the_root_of_an_empty_index_is_refused():
+    Q, K = randn(τ, 0), randn(σ, 0)
+    with pytest.raises(EinattnError, match=r"scale index 'a' has size 0: cannot divide by √0"):
+        Equation("S[τ σ] = exp(Q[τ a] K[σ a] / √a)")(Q=Q, K=K)
+
+
+@pytest.mark.parametrize("text, shapes, output", [
+    ("Y[τ i] = X[τ j] W[j i]", {"X": (τ, 0), "W": (0, a)}, (τ, a)),
+    ("Y[n τ i] = X[n τ j] U[j k] W[k i]", {"X": (n, τ, a), "U": (a, 0), "W": (0, c_)},
+     (n, τ, c_)),
+    ("Y[τ i] = X[τ j] W[j i]", {"X": (0, a), "W": (a, c_)}, (0, c_)),
+], ids=["summed j=0", "summed k=0, three operands", "free τ=0"])
+def test_a_contraction_over_an_empty_index_gives_zeros_and_zero_gradients(text, shapes, output):
+    tensors = {k: randn(*s, seed=m).requires_grad_() for m, (k, s) in enumerate(shapes.items())}
+    out = Equation(text)(**tensors)
+    assert torch.equal(out, torch.zeros(output, dtype=F64))
+    for name, g in zip(tensors, torch.autograd.grad(out, list(tensors.values()),
+                                                    torch.ones_like(out)), strict=True):
+        assert torch.equal(g, torch.zeros_like(tensors[name])), name

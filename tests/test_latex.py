@@ -10,7 +10,10 @@ needs ``size_names={"d_k": "a"}``.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from einattn import EinattnError, Equation
+from einattn import EinattnError, Equation, _latex_reader
 from einattn import functional as F
+from einattn import latex as latex_module
 from einattn.latex import read
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -317,3 +321,137 @@ def test_einattns_own_equations_round_trip(name):
 def test_primes_accents_and_words_render_and_read_back(text, tex):
     assert Equation(text).latex() == tex
     assert Equation.from_latex(tex).text == text
+
+
+# -- a label above a name is part of the name (issue 34) ----------------------------------
+
+LABELS = {
+    "W^O": (r"Y_{\tau i} = Z_{\mu \tau a} W^O_{\mu a i}", "Y[τ i] = Z[μ τ a] W_O[μ a i]"),
+    "W^{O} after the slots": (r"Y_{\tau i} = Z_{\mu \tau a} W_{\mu a i}^{O}",
+                              "Y[τ i] = Z[μ τ a] W_O[μ a i]"),
+    "W^{Q}_{i}": (r"Q_{\tau} = X_{\tau i} W^{Q}_{i}", "Q[τ] = X[τ i] W_Q[i]"),
+    "W^{(O)}": (r"Y_{\tau i} = Z_{\mu \tau a} W^{(O)}_{\mu a i}", "Y[τ i] = Z[μ τ a] W_O[μ a i]"),
+    "h^{(l)}": (r"y_{\tau} = h^{(l)}_{\tau i} v_{i}", "y[τ] = h_l[τ i] v[i]"),
+    "h^{(12)}, a number": (r"y_{\tau} = h^{(12)}_{\tau}", "y[τ] = h_12[τ]"),
+    "W^{(\\mu)}, a Greek label": (r"y_{\tau} = W^{(\mu)}_{\tau}", "y[τ] = W_μ[τ]"),
+    "E^{\\text{pos}}": (r"Y_{\tau i} = E^{\text{pos}}_{\tau i}", "Y[τ i] = E_pos[τ i]"),
+    "E^\\mathrm{pos}, unbraced": (r"Y_{\tau i} = E^\mathrm{pos}_{\tau i}", "Y[τ i] = E_pos[τ i]"),
+    "W^{QK}": (r"S_{\tau \sigma} = X_{\tau i} W^{QK}_{i j} X_{\sigma j}",
+               "S[τ σ] = X[τ i] W_QK[i j] X[σ j]"),
+    "an accent and a label": (r"y_{i} = \tilde{W}^{O}_{a i} z_{a}", "y[i] = W_O_tilde[a i] z[a]"),
+    "the output labelled": (r"h^{(l)}_{\tau i} = X_{\tau j} W_{j i}", "h_l[τ i] = X[τ j] W[j i]"),
+    # superscripts that hold indices stay indices: Einstein's raised ones, groups, spacers
+    "a raised index": (r"B_{\nu \mu} = A^{\mu}_{\ \nu}", "B[ν μ] = A[μ ν]"),
+    "raised lower-case": (r"s_{} = u_{i} v^{i}", "s[] = u[i] v[i]"),
+    "a raised group": (r"Y_{i} = W^{(\mu a)}_{\ i} z_{(\mu a)}", "Y[i] = W[(μ a) i] z[(μ a)]"),
+    "a raised capital held in place": (r"Y_{i} = W^{\ B}_{i} b_{B}", "Y[i] = W[i B] b[B]"),
+}
+
+
+@pytest.mark.parametrize("tex, text", LABELS.values(), ids=LABELS.keys())
+def test_a_label_above_is_part_of_the_name_and_round_trips(tex, text):
+    eq = Equation.from_latex(tex)
+    assert eq.text == text
+    assert Equation.from_latex(eq.latex()).text == text  # (W_{O})_{\mu a i}, read back
+
+
+def test_W_O_read_from_a_superscript_computes_with_the_output_weight():
+    eq = Equation.from_latex(r"Y_{\tau i} = Z_{\mu \tau a} W^{O}_{\mu a i}")
+    assert eq.latex() == r"Y_{\tau i} = Z_{\mu \tau a} (W_{O})_{\mu a i}"  # as (5) writes W_O
+    Z, W_O = torch.randn(H, T, DK, dtype=torch.float64), torch.randn(H, DK, DM, dtype=torch.float64)
+    torch.testing.assert_close(eq(Z=Z, W_O=W_O), es("mta,mai->ti", Z, W_O), rtol=1e-12, atol=1e-12)
+
+
+def test_labels_names_a_lower_case_superscript_and_must_be_a_collection():
+    tex = r"Y_{\tau i} = h^{l}_{\tau j} W_{j i}"
+    assert Equation.from_latex(tex, labels={"l"}).text == "Y[τ i] = h_l[τ j] W[j i]"
+    assert Equation.from_latex(tex, labels=["l"]).text == "Y[τ i] = h_l[τ j] W[j i]"
+    for wrong in ("l", [1]):
+        with pytest.raises(EinattnError, match=r"^labels is a collection of superscripts, "
+                                               r"such as \{'l'\}, got "):
+            Equation.from_latex(tex, labels=wrong)
+
+
+@pytest.mark.parametrize("above", ["T", r"\top", r"{\intercal}"])
+def test_a_transpose_above_is_refused(above):
+    tex = rf"S_{{\tau \sigma}} = Q_{{\tau a}} K^{above}_{{\sigma a}}"
+    assert_error_at(tex, rf"^K\^{re.escape(above.strip('{}'))} is a transpose, which index "
+                    r"notation writes by the order of the indices", tex.index(above.strip("{")))
+
+
+# Every advice an error of latex.py gives, followed literally: (the input refused, the
+# part of its message that advises, [(the input with the advice followed, its keywords, the
+# equation it must read as: the one written)]).
+ADVICE = {
+    "hold the place (indices)": (
+        r"S_{\tau i j} = X_{\tau i}^{j}", "if both are indices, hold the place of one",
+        [(r"S_{\tau i j} = X_{\tau i}^{\ \ j}", {}, "S[τ i j] = X[τ i j]")]),
+    "hold the place or name the label": (
+        r"Y_{i} = W^{q}_{\mu a i} Z_{\mu a}", r"if q is part of the name W_q, write W\^\{\(q\)\} "
+        r"or pass labels=\{'q'\}",
+        [(r"Y_{i} = W^{q}_{\ \mu a i} Z_{\mu a}", {}, "Y[i] = W[q μ a i] Z[μ a]"),  # q an index
+         (r"Y_{i} = W^{(q)}_{\mu a i} Z_{\mu a}", {}, "Y[i] = W_q[μ a i] Z[μ a]"),  # q a label
+         (r"Y_{i} = W^{q}_{\mu a i} Z_{\mu a}", {"labels": {"q"}}, "Y[i] = W_q[μ a i] Z[μ a]")]),
+    "the issue's W^{O}: no longer refused, and its old advice reads the same": (
+        None, None,
+        [(r"Y_{i} = W^{O}_{\mu a i} Z_{\mu a}", {}, "Y[i] = W_O[μ a i] Z[μ a]"),
+         (r"Y_{i} = W^{O}_{\ \mu a i} Z_{\mu a}", {}, "Y[i] = W_O[μ a i] Z[μ a]")]),
+    "a transpose or a label T": (
+        r"S_{i j} = K^T_{i j}", r"if T is part of the name K_T, write K\^\{\(T\)\} or pass "
+        r"labels=\{'T'\}",
+        [(r"S_{i j} = K^{(T)}_{i j}", {}, "S[i j] = K_T[i j]"),
+         (r"S_{i j} = K^T_{i j}", {"labels": {"T"}}, "S[i j] = K_T[i j]")]),
+    "the size of no index": (
+        r"S_{\tau} = \frac{Q_{\tau a}}{\sqrt{d_k}}", r"write d_x for the size of index x, or "
+        r"pass size_names=\{'d_k': index\}",
+        [(r"S_{\tau} = \frac{Q_{\tau a}}{\sqrt{d_a}}", {}, "S[τ] = Q[τ a] / √a"),
+         (r"S_{\tau} = \frac{Q_{\tau a}}{\sqrt{d_k}}", {"size_names": {"d_k": "a"}},
+          "S[τ] = Q[τ a] / √a")]),
+    "a chain": (
+        r"A_{\tau \sigma} = Q_{\tau a} K_{\sigma a} = K_{\sigma a} Q_{\tau a}",
+        "give each step of a chain on its own",
+        [(r"A_{\tau \sigma} = Q_{\tau a} K_{\sigma a}", {}, "A[τ σ] = Q[τ a] K[σ a]"),
+         (r"A_{\tau \sigma} = K_{\sigma a} Q_{\tau a}", {}, "A[τ σ] = K[σ a] Q[τ a]")]),
+    "two lines": (
+        "A_{\\tau \\sigma} &= Q_{\\tau a} K_{\\sigma a} \\\\\n &= K_{\\sigma a} Q_{\\tau a}",
+        "give each line on its own",
+        [(r"A_{\tau \sigma} &= Q_{\tau a} K_{\sigma a} \\", {}, "A[τ σ] = Q[τ a] K[σ a]"),
+         (r"A_{\tau \sigma} &= K_{\sigma a} Q_{\tau a}", {}, "A[τ σ] = K[σ a] Q[τ a]")]),
+}
+
+
+@pytest.mark.parametrize("refused, advice, followed", ADVICE.values(), ids=ADVICE.keys())
+def test_an_advice_followed_reads_the_equation_written(refused, advice, followed):
+    if refused is not None:
+        with pytest.raises(EinattnError, match=advice):
+            Equation.from_latex(refused)
+    for tex, keywords, text in followed:
+        assert Equation.from_latex(tex, **keywords).text == text
+
+
+def test_every_advice_in_the_latex_reader_is_followed_by_a_test():
+    """Each string of einattn.latex and einattn._latex_reader that tells the user what to
+    write, pass, hold or give is part of a message a case of ADVICE raises."""
+    messages = []
+    for refused, _, _ in (case for case in ADVICE.values() if case[0] is not None):
+        with pytest.raises(EinattnError) as caught:
+            Equation.from_latex(refused)
+        messages.append(str(caught.value))
+    advising = [s for s in strings_of(latex_module, _latex_reader)
+                if re.search(r"\b(write|pass|hold|give)\b", s)]
+    assert len(advising) >= 6
+    for piece in advising:
+        assert any(piece in m for m in messages), piece
+
+
+def strings_of(*modules) -> list[str]:
+    """The string constants of ``modules``, docstrings left out."""
+    found = []
+    for module in modules:
+        tree = ast.parse(inspect.getsource(module))
+        docs = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+                and node.body and isinstance(node.body[0], ast.Expr)}
+        found += [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                  and isinstance(node.value, str) and id(node) not in docs]
+    return found

@@ -14,7 +14,7 @@ from ..errors import EinattnError
 from . import bench, latex, trace, verify
 from .main_job import DESCRIPTION, main_job
 from .options import Command, Options, UsageError, fill_sizes, size_options
-from .output import Output, Paint
+from .output import Output, Paint, one_line
 
 # The subcommands, in the order --help lists them; command() registers one more.
 COMMANDS: dict[str, Command] = {"trace": trace.COMMAND, "verify": verify.COMMAND,
@@ -54,17 +54,10 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def _one_line(error: Exception) -> str:
-    """An error as one line: its first line, and the equation it shows if any."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    shown = [line for line in lines[1:] if set(line) != {"^"}]
-    return " — ".join(lines[:1] + shown[:1])
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line. Exit status: 0 done, 1 a step (or, with ``bench --check``, a
-    target) failed, 2 bad arguments (one line on stderr), 141 (as for SIGPIPE) when stdout
-    was closed early."""
+    target) failed, 2 bad arguments or a derivation block that is wrong in itself (one line
+    on stderr each), 141 (as for SIGPIPE) when stdout was closed early."""
     try:
         args = parser().parse_args(argv)
         chosen = COMMANDS.get(args.command)
@@ -74,11 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # --help printed its text
         return done.code if isinstance(done.code, int) else 0
     except (UsageError, EinattnError) as error:
-        print(f"einattn: error: {_one_line(error)}", file=sys.stderr)
+        print(f"einattn: error: {one_line(error)}", file=sys.stderr)
         return 2
     as_json = getattr(args, "json", False)
     text = json.dumps(output.document, indent=2, ensure_ascii=False) if as_json else None
-    return output.status if _write(text or "\n".join(output.lines)) else 141
+    written = _write(text or "\n".join(output.lines))
+    for error in output.errors:  # shown in the report too, in place
+        print(f"einattn: error: {error}", file=sys.stderr)
+    return output.status if written else 141
 
 
 def _write(text: str) -> bool:

@@ -39,6 +39,14 @@ MEMORY_LIMIT = 2**30  # bytes: the largest tensor trace, verify and bench may al
 # the grouped (g C a), C = r + 2 ≤ 3r; C, K, V, W_O and the rest are no larger.
 TRACE_TENSORS = ("X[n τ i]", "W[(μ B a) i]", "P[n σ μ B a]", "S[n μ τ σ]")
 VERIFY_TENSORS = TRACE_TENSORS + derivation.TENSORS
+# What each of them is, for a refusal: the user asked for a run at some sizes, not for the
+# tensor that would not fit (the linear-attention steps' H[n μ τ a c], say).
+HELD = {"X[n τ i]": "the input", "W[(μ B a) i]": "the fused weight of (1)",
+        "P[n σ μ B a]": "the projections Q, K, V of (1)", "S[n μ τ σ]": "the scores of (2)",
+        "S[n μ τ τ]": "the scores of the self-attention steps",
+        "W_QK[μ i j]": "the W_QK circuit's weight", "Y_μ[n μ τ i]": "the per-head terms of (5a)",
+        "H[n μ τ a c]": "the linear-attention steps' prefix sums, with c = a + 3",
+        "H[n μ σ a c]": "the linear-attention steps' sums over keys, with c = a + 3"}
 
 
 def largest_tensor(sizes: dict[str, int], tensors: Sequence[str]) -> tuple[str, int]:
@@ -65,7 +73,7 @@ def check_memory(who: str, sizes: dict[str, int], tensors: Sequence[str],
     tensor, elements = largest_tensor(sizes, tensors)
     need = elements * dtype.itemsize
     if need > MEMORY_LIMIT:
-        raise UsageError(f"{who} would hold {tensor} of {elements:,} "
+        raise UsageError(f"{who} would hold {tensor} ({HELD[tensor]}) of {elements:,} "
                          f"{str(dtype).removeprefix('torch.')} elements ({gib(need)}), over "
                          f"the limit of {gib(MEMORY_LIMIT)} for one tensor: choose smaller sizes")
 
@@ -159,5 +167,8 @@ def checked_sizes(args: argparse.Namespace, who: str, tensors: Sequence[str]) ->
     """The sizes, refused where one of ``tensors`` (in float64) would not fit (``c`` given for
     the linear-attention steps')."""
     sizes = sizes_of(args)
-    check_memory(who, derivation.with_value_width(sizes), tensors, torch.float64)
+    asked = " ".join(f"--{key.replace('_', '-')} {vars(args)[key]}" for key in SIZE_DEFAULTS
+                     if vars(args)[key] is not None)
+    check_memory(f"{who} at {asked}", derivation.with_value_width(sizes), tensors,
+                 torch.float64)
     return sizes

@@ -10,15 +10,24 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Output:
-    """What a subcommand produced: a JSON document, the lines people read, an exit status."""
+    """What a subcommand produced: a JSON document, the lines people read, an exit status,
+    and errors it met on the way that the report shows in place (and stderr repeats)."""
 
     document: dict
     lines: list[str]
     status: int = 0
+    errors: tuple[str, ...] = ()
 
     def __add__(self, other: Output) -> Output:
         return Output({**self.document, **other.document}, [*self.lines, "", *other.lines],
-                      max(self.status, other.status))
+                      max(self.status, other.status), self.errors + other.errors)
+
+
+def one_line(error: Exception) -> str:
+    """An error as one line: its first line, and the equation it shows if any."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    shown = [line for line in lines[1:] if set(line) != {"^"}]
+    return " — ".join(lines[:1] + shown[:1])
 
 
 _STYLES = {"bold": "1", "PASS": "32", "FAIL": "31", "SKIP": "33"}  # ANSI SGR codes

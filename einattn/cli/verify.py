@@ -20,7 +20,7 @@ from .options import (
     file_argument,
     size_options,
 )
-from .output import VERDICTS, Output, Paint, letters_text, sizes_text, table
+from .output import VERDICTS, Output, Paint, letters_text, one_line, sizes_text, table
 from .trace import letter_mapping, renamed
 
 
@@ -183,42 +183,59 @@ def file_result(c: derivation_files.Checked) -> StepResult:
 
 
 def _block_head(block: derivation_files.Block) -> list[str]:
-    """The block's first line as written, its sizes and, for LaTeX, the equation read."""
-    sizes = " ".join(f"{k}={v}" for k, v in block.sizes.items())
+    """The block's first line as written, its sizes (those read from the first line's
+    shapes after a ';') and, for LaTeX, the equation read."""
+    given = [f"{k}={v}" for k, v in block.sizes.items() if k not in block.inferred]
     which = "sizes" if block.sizes_given else "default sizes, all distinct:"
+    read = [f"{k}={block.sizes[k]}" for k in block.inferred]
+    shapes = f"; from the first line's shapes: {' '.join(read)}" if read else ""
     first = block.first
-    head = [f"{block.source}:{first.line.number}  {first.line.text}   ({which} {sizes})"]
+    head = [f"{block.source}:{first.line.number}  {first.line.text}   "
+            f"({which} {' '.join(given)}{shapes})"]
     if block.kind == "derivation-latex":
         head.append(f"  read as {first.equation}")
     return head
 
 
-def file_lines(blocks: list[derivation_files.Block], results: list[list[StepResult]],
-               paint: Paint) -> list[str]:
-    """One table: each block's first line, then a row per ``=`` line; then each failure
-    quoted with its line and where it differs; then the count."""
+Found = derivation_files.Block | derivation_files.Refused
+
+
+def file_lines(blocks: list[Found], results: list[list[StepResult]], paint: Paint) -> list[str]:
+    """One table: each block's first line, then a row per ``=`` line (a block refused: its
+    error, in its place); then each failure quoted with its line and where it differs; then
+    the count."""
+    checked = [(block, rs) for block, rs in zip(blocks, results, strict=True)
+               if isinstance(block, derivation_files.Block)]
     rows = [[r.verdict, r.mode, _number(r.max_deviation), _number(r.tolerance),
              "—" if r.false_acceptance is None else f"≤ {r.false_acceptance:.1e}",
              str(c.line.number), c.line.text]
-            for block, rs in zip(blocks, results, strict=True)
-            for c, r in zip(block.steps, rs, strict=True)]
+            for block, rs in checked for c, r in zip(block.steps, rs, strict=True)]
     header = ["verdict", "mode", "max |lhs − rhs|", "tolerance", "false acceptance", "line",
               "step"]
     shown = table(header, rows, paint, right=(2, 3, 5))
     lines, k = [shown[0]], 1
     for block in blocks:
+        if isinstance(block, derivation_files.Refused):
+            lines.append(f"{paint('ERROR', 'FAIL')} {one_line(block.error)}")
+            continue
         lines += [*_block_head(block), *shown[k:k + len(block.steps)]]
         k += len(block.steps)
-    flat = [(block, c, r) for block, rs in zip(blocks, results, strict=True)
-            for c, r in zip(block.steps, rs, strict=True)]
+    flat = [(block, c, r) for block, rs in checked for c, r in zip(block.steps, rs, strict=True)]
     for block, c, r in flat:
         if r.verdict == "FAIL":
             lines.append(f"{paint('FAIL', 'FAIL')} {block.source}:{c.line.number}: "
                          f"{c.line.text}  — {_differs(r)}")
-    count = {v: sum(r.verdict == v for *_, r in flat) for v in VERDICTS}
-    lines.append(f"{len(flat)} step{'s' * (len(flat) != 1)}: " + ", ".join(
-        paint(f"{k} {verdict}", verdict) for verdict, k in count.items() if k))
-    return lines
+    return [*lines, _count([r for *_, r in flat], len(blocks) - len(checked), paint)]
+
+
+def _count(results: list[StepResult], refused: int, paint: Paint) -> str:
+    """``3 steps: 2 PASS, 1 FAIL``, and how many blocks were refused, if any."""
+    count = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+    parts = ", ".join(paint(f"{k} {verdict}", verdict) for verdict, k in count.items() if k)
+    text = f"{len(results)} step{'s' * (len(results) != 1)}" + (f": {parts}" if parts else "")
+    if refused:
+        text += f"; {paint(f'{refused} block' + 's' * (refused != 1), 'FAIL')} not checked"
+    return text
 
 
 def _differs(r: StepResult) -> str:
@@ -228,15 +245,17 @@ def _differs(r: StepResult) -> str:
 
 
 def file_output(path: str, *, exact_only: bool, paint: Paint) -> Output:
-    """``einattn verify FILE.md``: exit 1 if a step fails; a file that cannot be read or a
-    wrong block is an error (exit 2)."""
+    """``einattn verify FILE.md``: every block checked, a block that is wrong in itself
+    reported in its place; exit with the worst status: 2 if a block is wrong (each error
+    also on stderr), 1 if a line fails. A file that cannot be read is an error (exit 2)."""
     try:
-        blocks = derivation_files.read_file(path)
+        blocks = derivation_files.read_file_each(path)
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}"
                          ) from None
     results = [[file_result(c) for c in derivation_files.check_block(b, exact_only=exact_only)]
-               for b in blocks]
+               if isinstance(b, derivation_files.Block) else [] for b in blocks]
+    errors = tuple(one_line(b.error) for b in blocks if isinstance(b, derivation_files.Refused))
     failed = any(r.verdict == "FAIL" for rs in results for r in rs)
     mode = ("exact mode only (float-only steps skipped)" if exact_only else
             "exact steps with integer inputs, the others in float64")
@@ -244,16 +263,22 @@ def file_output(path: str, *, exact_only: bool, paint: Paint) -> Output:
             f"line against its block's first right-hand side; {mode}")
     document = {"file": str(path), "exact_only": exact_only,
                 "blocks": [_block_json(b, rs) for b, rs in zip(blocks, results, strict=True)],
-                "passed": not failed}
-    return Output(document, [head, "", *file_lines(blocks, results, paint)], 1 if failed else 0)
+                "passed": not failed and not errors}
+    return Output(document, [head, "", *file_lines(blocks, results, paint)],
+                  2 if errors else 1 if failed else 0, errors)
 
 
-def _block_json(block: derivation_files.Block, results: list[StepResult]) -> dict:
-    """A block for ``--json``: its first line as written and as read, its sizes, its steps
-    (each named by its line as written)."""
+def _block_json(block: Found, results: list[StepResult]) -> dict:
+    """A block for ``--json``: its first line as written and as read, its sizes (and those
+    read from the first line's shapes), its steps (each named by its line as written); a
+    refused block: the line of its opening fence, and its error (which names its line)."""
+    if isinstance(block, derivation_files.Refused):
+        return {"opened": block.opened, "kind": block.kind, "error": one_line(block.error),
+                "steps": []}
     return {"line": block.first.line.number, "kind": block.kind,
             "equation": block.first.line.text, "read_as": block.first.equation.text,
             "sizes": block.sizes, "sizes_given": block.sizes_given,
+            "sizes_from_shapes": list(block.inferred),
             "steps": [{"line": step.line.number, "read_as": step.equation.text, **r.as_json()}
                       for step, r in zip(block.steps, results, strict=True)]}
 
