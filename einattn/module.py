@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import chunked, functional, layouts, patterns, rotary
+from ._checks import check_impl, check_positive_int, check_scale
 from .cache import KVCache
 from .errors import EinattnError
 
@@ -64,12 +65,12 @@ class MultiHeadAttention(nn.Module):
         self.n_kv_heads, r = layouts.groups(n_heads, n_kv_heads)
         rows = self.n_kv_heads * (r + 2) * d_head
         self.dropout, self.causal = dropout, causal
-        self.impl, self.block_size = _check_impl(impl), chunked.check_block_size(block_size)
+        self.impl, self.block_size = check_impl(impl), chunked.check_block_size(block_size)
         self.rope, self.rope_base = rope, rope_base
         self.rope_scaling, self.rotary_dim = rope_scaling, rotary_dim
         if rope is not None or rope_scaling is not None or rotary_dim is not None:
             rotary.check_options(rope, rope_base, rope_scaling, rotary_dim, d_head)
-        self.scale = None if scale is None else functional.check_scale(scale)
+        self.scale = None if scale is None else check_scale(scale)
         self.window = None if window is None else patterns.check_window(window)
         self.softcap = None if softcap is None else patterns.check_softcap(softcap)
         for name, flag in (("alibi", alibi), ("sinks", sinks)):
@@ -77,7 +78,7 @@ class MultiHeadAttention(nn.Module):
                 raise EinattnError(f"{name} must be True or False, got {flag!r}")
         self.alibi = alibi
         if d_context is not None:
-            _check_positive_int("d_context", d_context)
+            check_positive_int("d_context", d_context)
         self.d_context = d_context
         self._make_parameters(rows, bias, sinks, {"device": device, "dtype": dtype})
         self.reset_parameters(init)
@@ -178,7 +179,7 @@ class MultiHeadAttention(nn.Module):
             key_padding_mask=key_padding_mask, causal=self.causal if causal is None else causal,
             dropout=self.dropout if self.training else 0.0,
             need_weights=need_weights, return_intermediates=return_intermediates,
-            impl=self.impl if impl is None else _check_impl(impl), block_size=self.block_size,
+            impl=self.impl if impl is None else check_impl(impl), block_size=self.block_size,
             rope=self.rope, rope_base=self.rope_base, rope_scaling=self.rope_scaling,
             rotary_dim=self.rotary_dim, positions=positions, cache=cache, scale=self.scale,
             window=self.window, softcap=self.softcap, alibi=w["alibi"], sinks=w["sinks"],
@@ -244,7 +245,7 @@ class MultiHeadAttention(nn.Module):
         keeps. ``n_kv_heads`` defaults to what ``W_k``'s rows imply (``n_heads`` without
         grouped-query attention); ``j`` (``W_k``'s columns) other than ``i`` makes a
         ``d_context`` layer, whose keys and values come from a context of that width."""
-        _check_positive_int("n_heads", n_heads)
+        check_positive_int("n_heads", n_heads)
         if not isinstance(W_q, torch.Tensor) or W_q.ndim != 2:
             shape = tuple(W_q.shape) if isinstance(W_q, torch.Tensor) else type(W_q).__name__
             raise EinattnError(f"W_q must be a 2-D weight W_q[(μ a) i], got {shape}")
@@ -411,11 +412,6 @@ def _copy_into(mha: nn.MultiheadAttention, p: Projections) -> None:
             mha.out_proj.bias.copy_(p.b_o)
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EinattnError(f"{name} must be a positive int, got {value!r}")
-
-
 def _check_fixed(method: str, layer_options: dict) -> None:
     fixed = {"d_model", "n_heads", "d_head", "bias", "device", "dtype",
              "d_context"} & set(layer_options)
@@ -424,18 +420,11 @@ def _check_fixed(method: str, layer_options: dict) -> None:
                            f".to(...) on the result to change dtype or device")
 
 
-def _check_impl(impl: str) -> str:
-    if impl not in functional.IMPLS:
-        raise EinattnError(f"impl must be one of {', '.join(map(repr, functional.IMPLS))}, "
-                           f"got {impl!r}")
-    return impl
-
-
 def _d_head(d_model: int, n_heads: int, d_head: int | None) -> int:
-    _check_positive_int("d_model", d_model)
-    _check_positive_int("n_heads", n_heads)
+    check_positive_int("d_model", d_model)
+    check_positive_int("n_heads", n_heads)
     if d_head is not None:
-        _check_positive_int("d_head", d_head)
+        check_positive_int("d_head", d_head)
         return d_head
     if d_model % n_heads:
         raise EinattnError(f"d_model={d_model} is not divisible by n_heads={n_heads}: index "
