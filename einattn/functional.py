@@ -28,7 +28,7 @@ from . import masks as _masks
 from . import paths as _paths
 from . import patterns as _patterns
 from ._checks import IMPLS as IMPLS  # the names of the impls, kept here as before
-from ._checks import check_impl, check_scale
+from ._checks import check_floating, check_options, check_scale
 from .cache import KVCache, check_cache
 from .errors import EinattnError
 from .notation import Equation
@@ -152,6 +152,7 @@ def check_qkv(Q, K, V) -> None:
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise EinattnError(f"{name} must be 4-D {name}[{indices}], got {shape}")
+        check_floating(name, t)
     if not torch.compiler.is_compiling():  # checked eagerly, as an Equation's sizes are:
         SCORES_GQA.sizes(Q=Q, K=K)  # n and a agree, g divides μ; errors show (2g)
     for index, axis in (("n", 0), ("g", 1), ("σ", 2)):
@@ -194,6 +195,7 @@ def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None, *,
     tensor([[0.5000, 0.5000],
             [0.0000, 0.0000]])
     """
+    check_floating("S", S)
     if sinks is not None:
         return _softmax.with_sink(S, mask, sinks)
     if _as_written(S, mask, every_row_sees_a_key):
@@ -276,7 +278,7 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     >>> attention(Q, K, V, causal=True, window=3, softcap=30.0).shape
     torch.Size([1, 4, 6, 8])
     """
-    check_impl(impl)
+    check_options(impl, dropout, block_size)
     check_qkv(Q, K, V)
     stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, mask, causal,
                         _terms(window, softcap, alibi, sinks, document_ids), dropout, impl,
@@ -333,7 +335,7 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     >>> Y.shape
     torch.Size([2, 5, 16])
     """
-    check_impl(impl)
+    check_options(impl, dropout, block_size)
     if cache is not None:
         check_cache(cache, context)
     Q, K, V = _projected(x, W, b, context, W_KV, b_KV, n_heads, n_kv_heads, W_O)
@@ -386,6 +388,7 @@ def _cached(cache, Q, K, V, key_padding_mask, document_ids, how: tuple):
 
 def _projected(x, W, b, context, W_KV, b_KV, n_heads: int, n_kv_heads, W_O):
     """Q, K, V by (1), or (1q) and (1kv) given ``W_KV``; then ``W_O`` must write x's width."""
+    check_floating("x", x)
     QKV = (project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
            if W_KV is None else _cross.project(x, W, context, W_KV, n_heads=n_heads,
                                                n_kv_heads=n_kv_heads, b_Q=b, b_KV=b_KV))

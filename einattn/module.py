@@ -13,8 +13,15 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import chunked, functional, layouts, patterns, rotary
-from ._checks import check_impl, check_positive_int, check_scale
+from . import functional, layouts, patterns, rotary
+from ._checks import (
+    check_block_size,
+    check_dropout,
+    check_factory,
+    check_impl,
+    check_positive_int,
+    check_scale,
+)
 from .cache import KVCache
 from .errors import EinattnError
 
@@ -58,14 +65,12 @@ class MultiHeadAttention(nn.Module):
                  d_context: int | None = None, device=None, dtype=None):
         super().__init__()
         d_head = _d_head(d_model, n_heads, d_head)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
-                or not 0.0 <= dropout < 1.0:
-            raise EinattnError(f"dropout must be in [0, 1), got {dropout}")
+        check_dropout(dropout)
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_head
         self.n_kv_heads, r = layouts.groups(n_heads, n_kv_heads)
         rows = self.n_kv_heads * (r + 2) * d_head
         self.dropout, self.causal = dropout, causal
-        self.impl, self.block_size = check_impl(impl), chunked.check_block_size(block_size)
+        self.impl, self.block_size = check_impl(impl), check_block_size(block_size)
         self.rope, self.rope_base = rope, rope_base
         self.rope_scaling, self.rotary_dim = rope_scaling, rotary_dim
         if rope is not None or rope_scaling is not None or rotary_dim is not None:
@@ -80,7 +85,7 @@ class MultiHeadAttention(nn.Module):
         if d_context is not None:
             check_positive_int("d_context", d_context)
         self.d_context = d_context
-        self._make_parameters(rows, bias, sinks, {"device": device, "dtype": dtype})
+        self._make_parameters(rows, bias, sinks, check_factory(device, dtype))
         self.reset_parameters(init)
 
     def _make_parameters(self, rows: int, bias: bool, sinks: bool, kw: dict) -> None:
