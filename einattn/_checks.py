@@ -52,11 +52,22 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-def check_options(impl: str, dropout: float, block_size: int) -> None:
-    """The options of equations (2)–(4) that every call takes: impl, dropout, block size."""
+def check_options(impl: str, dropout: float, block_size: int, is_causal=None) -> None:
+    """The options of equations (2)–(4) that every call takes: impl, dropout, block size
+    (and no ``is_causal``)."""
     check_impl(impl)
     check_dropout(dropout)
     check_block_size(block_size)
+    refuse_is_causal(is_causal)
+
+
+def refuse_is_causal(is_causal) -> None:
+    """``is_causal`` is PyTorch's name (``F.scaled_dot_product_attention``,
+    ``nn.MultiheadAttention``); einattn has one name for it, ``causal``."""
+    if is_causal is not None:
+        raise EinattnError(f"is_causal is PyTorch's name; einattn's is causal (got "
+                           f"is_causal={is_causal!r}): pass causal=True, which aligns the "
+                           f"causal mask bottom-right where L_q ≠ L_k")
 
 
 def check_floating(name: str, t) -> None:

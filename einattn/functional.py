@@ -257,7 +257,7 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
               alibi=False, sinks: torch.Tensor | None = None,
               document_ids: torch.Tensor | None = None, dropout: float = 0.0,
               impl: str = "einsum", block_size: int = 256, scale: float | None = None,
-              need_weights: bool = False):
+              need_weights: bool = False, is_causal=None):
     """Equations (2)–(4) with every term of (3): ``Z[n μ τ a]`` from ``Q[n μ τ a]``,
     ``K[n g σ a]`` and ``V[n g σ a]`` (``g`` dividing ``μ``: grouped-query attention)::
 
@@ -272,13 +272,14 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     ``softcap=c`` caps the scaled scores, ``c · tanh(S / c)``; ``sinks`` (``s[μ]``) adds a
     logit to each row's softmax denominator, so rows sum to less than one. ``impl``:
     "einsum", "sdpa", "chunked" or "flex" (docs/masks.md: which runs what).
-    ``need_weights=True`` returns ``(Z, A)`` (the einsum path's).
+    ``need_weights=True`` returns ``(Z, A)`` (the einsum path's). ``is_causal`` (PyTorch's
+    name) is refused: einattn's is ``causal``.
 
     >>> Q, K, V = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     >>> attention(Q, K, V, causal=True, window=3, softcap=30.0).shape
     torch.Size([1, 4, 6, 8])
     """
-    check_options(impl, dropout, block_size)
+    check_options(impl, dropout, block_size, is_causal)
     check_qkv(Q, K, V)
     stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, mask, causal,
                         _terms(window, softcap, alibi, sinks, document_ids), dropout, impl,
@@ -300,7 +301,8 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
                          window: int | None = None, softcap: float | None = None, alibi=False,
                          sinks: torch.Tensor | None = None,
                          document_ids: torch.Tensor | None = None,
-                         W_KV: torch.Tensor | None = None, b_KV: torch.Tensor | None = None):
+                         W_KV: torch.Tensor | None = None, b_KV: torch.Tensor | None = None,
+                         is_causal=None):
     """Equations (1)–(5) composed: ``Y[n τ i]`` from ``X[n τ i]``.
 
     ``dropout`` is applied to ``A`` (pass 0 outside training). ``need_weights=True``
@@ -321,7 +323,8 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     ``window``, ``softcap``, ``alibi``, ``sinks`` and ``document_ids`` are the attention
     patterns of equation (3), as in :func:`attention`. With ``W_KV`` (and ``b_KV``) the
     context has a width of its own: ``W`` is then ``W_Q[(μ a) i]`` and equation (1) splits
-    into (1q) and (1kv) (:mod:`einattn.cross`).
+    into (1q) and (1kv) (:mod:`einattn.cross`). ``is_causal`` (PyTorch's name) is refused:
+    einattn's is ``causal``.
 
     ``impl`` chooses how equations (2)–(4) run, on the same parameters: ``"einsum"`` (the
     equations as written; under ``torch.compile`` routed to SDPA, which Inductor fuses),
@@ -335,7 +338,7 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     >>> Y.shape
     torch.Size([2, 5, 16])
     """
-    check_options(impl, dropout, block_size)
+    check_options(impl, dropout, block_size, is_causal)
     if cache is not None:
         check_cache(cache, context)
     Q, K, V = _projected(x, W, b, context, W_KV, b_KV, n_heads, n_kv_heads, W_O)

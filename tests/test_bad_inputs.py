@@ -127,6 +127,8 @@ BAD = {
                                            r"d_model=30\)"),
     "x-4d": (lambda: _layer()(_x(1, N, L_Q, D)),
              r"x has shape \(1, 2, 5, 30\) but the layer expects \(n, L, d_model=30\)"),
+    "x-sequence-first": (lambda: _layer(batch_first=False)(_x(L_Q, N, 29)),
+                         r"x has shape \(5, 2, 29\) but the layer expects \(L, n, d_model=30\)"),
     "x-list": (lambda: _layer()([[[0.0] * D]]), r"x must be a torch\.Tensor, got list"),
     "x-dtype": (lambda: _layer()(_x(dtype=torch.float32)),
                 r"x is torch\.float32 but the layer's W is torch\.float64; convert one with "
@@ -308,7 +310,7 @@ BAD = {
                           r"has window=4, alibi=True"),
     **{f"layer-{name}-not-bool": (lambda name=name: _layer(**{name: 1}),
                                   rf"{name} must be True or False, got 1")
-       for name in ("alibi", "sinks")},
+       for name in ("alibi", "sinks", "batch_first")},
     "to_torch-scale": (lambda: MultiHeadAttention(30, 5, scale=0.1).to_torch(),
                        r"nn.MultiheadAttention always scales the scores by 1/√a, but this layer "
                        r"has scale=0.1"),
