@@ -103,10 +103,17 @@ class StaticKVCache:
         if L > self.max_length:
             raise EinattnError(f"a call of {L} positions does not fit a StaticKVCache of "
                                f"max_length={self.max_length}")
-        if not torch.compiler.is_compiling() and len(self) + L > self.max_length:
+        if torch.compiler.is_compiling():
+            return
+        f = len(self)
+        if f > self.max_length:
+            raise EinattnError(f"a compiled call went past max_length={self.max_length} ({f} "
+                               f"positions counted): its values were written as NaN at the "
+                               f"last position, so its outputs and every later call's are NaN; "
+                               f"call cache.reset()")
+        if f + L > self.max_length:
             raise EinattnError(f"the cache holds at most max_length={self.max_length} "
-                               f"positions, but {len(self)} filled and {L} new make "
-                               f"{len(self) + L}")
+                               f"positions, but {f} filled and {L} new make {f + L}")
 
     def placed(self, positions, L: int, device) -> tuple[torch.Tensor, int]:
         """RoPE's positions of a call's ``L`` tokens, ``f … f + L − 1``, and offset 0 (a
@@ -131,6 +138,8 @@ class StaticKVCache:
                                f"the cache holds K[n g σ a] of {tuple(self.K.shape)} "
                                f"{self.K.dtype} on {self.K.device}: make another StaticKVCache")
         where = self.filled + torch.arange(L, device=K.device)
+        if torch.compiler.is_compiling():  # f is on the device, unchecked: see _past_the_end
+            where, V = _past_the_end(where, V, self.max_length)
         self.K.index_copy_(2, where, K)
         self.V.index_copy_(2, where, V)
         new = torch.zeros(n, L, dtype=torch.bool, device=K.device) if key_padding_mask is None \
@@ -157,3 +166,13 @@ class StaticKVCache:
         first = self.filled - L  # this call's first position
         return sigma[None, :] <= first + torch.arange(L, device=self.K.device)[:, None], \
             False, None
+
+
+def _past_the_end(where: torch.Tensor, V: torch.Tensor, max_length: int):
+    """Where a compiled call writes, and its values: a call past ``max_length`` (which a
+    compiled step cannot refuse without reading ``f`` back from the device) writes at the
+    last position, not out of bounds (an IndexError, on CUDA a device-side assert), and its
+    values as NaN, so that its outputs, and every later call's, are NaN rather than numbers;
+    :meth:`StaticKVCache.check_call` refuses the next eager call."""
+    past = where[-1] >= max_length
+    return where.clamp(max=max_length - 1), V.masked_fill(past, float("nan"))
