@@ -106,11 +106,8 @@ class KVCache:
         documents of packed sequences, ``d[n σ]``, are kept as :attr:`document_ids`: a
         cache that has them needs them on every call."""
         self._check(K, V, key_padding_mask)
+        self.check_call(K.shape[2], document_ids=document_ids)
         before = len(self)
-        if self.max_length is not None and before + K.shape[2] > self.max_length:
-            raise EinattnError(f"the cache holds at most max_length={self.max_length} positions, "
-                               f"but {before} cached and {K.shape[2]} new make "
-                               f"{before + K.shape[2]}")
         self._append_ids(document_ids, K)
         self.K, self.V = self._stored(K, V, before)
         if self.padding is not None or key_padding_mask is not None:
@@ -140,10 +137,26 @@ class KVCache:
         store[1][:, :, before:L].copy_(V)
         return store[0][:, :, :L], store[1][:, :, :L]
 
-    def _append_ids(self, ids: torch.Tensor | None, K: torch.Tensor) -> None:
-        if (ids is None) != (self.document_ids is None) and len(self):
+    def check_call(self, L: int, *, mask=None, pattern: bool = False, positions=None,
+                   document_ids=None) -> None:
+        """Refuse, before anything is written, a call of ``L`` tokens this cache cannot
+        take: more positions than ``max_length`` holds, or ``document_ids`` on some calls
+        only. (A mask, a pattern and positions it takes as they are.)"""
+        if self.max_length is not None and len(self) + L > self.max_length:
+            raise EinattnError(f"the cache holds at most max_length={self.max_length} positions, "
+                               f"but {len(self)} cached and {L} new make {len(self) + L}")
+        if (document_ids is None) != (self.document_ids is None) and len(self):
             raise EinattnError("document_ids must be given on every call with this cache or on "
                                "none: the cache holds one document id d[n σ] per cached key")
+
+    def masked(self, L: int, mask, causal: bool, terms: dict | None) -> tuple:
+        """``(mask, causal, terms)`` of a call of ``L`` queries over every cached key, once
+        appended: as given, the documents of every cached key in place of the call's."""
+        if self.document_ids is None:
+            return mask, causal, terms
+        return mask, causal, {**terms, "document_ids": self.document_ids}
+
+    def _append_ids(self, ids: torch.Tensor | None, K: torch.Tensor) -> None:
         if ids is None:
             return
         n, L = K.shape[0], K.shape[2]

@@ -27,10 +27,11 @@ from . import cross as _cross
 from . import masks as _masks
 from . import paths as _paths
 from . import patterns as _patterns
+from ._checks import IMPLS as IMPLS  # the names of the impls, kept here as before
+from ._checks import check_floating, check_options, check_scale
 from .cache import KVCache, check_cache
 from .errors import EinattnError
 from .notation import Equation
-from .static_cache import StaticKVCache
 
 PROJECT = Equation("P[n τ μ B a] = X[n τ i] W[(μ B a) i]")
 SCORES = Equation("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a")
@@ -151,6 +152,7 @@ def check_qkv(Q, K, V) -> None:
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise EinattnError(f"{name} must be 4-D {name}[{indices}], got {shape}")
+        check_floating(name, t)
     if not torch.compiler.is_compiling():  # checked eagerly, as an Equation's sizes are:
         SCORES_GQA.sizes(Q=Q, K=K)  # n and a agree, g divides μ; errors show (2g)
     for index, axis in (("n", 0), ("g", 1), ("σ", 2)):
@@ -193,6 +195,7 @@ def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None, *,
     tensor([[0.5000, 0.5000],
             [0.0000, 0.0000]])
     """
+    check_floating("S", S)
     if sinks is not None:
         return _softmax.with_sink(S, mask, sinks)
     if _as_written(S, mask, every_row_sees_a_key):
@@ -232,10 +235,14 @@ def combine_heads(Z: torch.Tensor, W_O: torch.Tensor,
     torch.Size([1, 1, 4])
     """
     Y = HEADS(Z=Z, W_O=W_O)
+    _check_b_O(b_O, W_O)
+    return Y if b_O is None else Y + _in_autocast_dtype(b_O)
+
+
+def _check_b_O(b_O, W_O: torch.Tensor) -> None:
     if b_O is not None and tuple(b_O.shape) != (W_O.shape[-1],):
         raise EinattnError(f"b_O has shape {tuple(b_O.shape)} but b_O[i] needs "
                            f"({W_O.shape[-1]},), the size of index 'i' in W_O")
-    return Y if b_O is None else Y + _in_autocast_dtype(b_O)
 
 
 def head_contributions(Z: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
@@ -250,7 +257,7 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
               alibi=False, sinks: torch.Tensor | None = None,
               document_ids: torch.Tensor | None = None, dropout: float = 0.0,
               impl: str = "einsum", block_size: int = 256, scale: float | None = None,
-              need_weights: bool = False):
+              need_weights: bool = False, is_causal=None):
     """Equations (2)–(4) with every term of (3): ``Z[n μ τ a]`` from ``Q[n μ τ a]``,
     ``K[n g σ a]`` and ``V[n g σ a]`` (``g`` dividing ``μ``: grouped-query attention)::
 
@@ -265,13 +272,14 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     ``softcap=c`` caps the scaled scores, ``c · tanh(S / c)``; ``sinks`` (``s[μ]``) adds a
     logit to each row's softmax denominator, so rows sum to less than one. ``impl``:
     "einsum", "sdpa", "chunked" or "flex" (docs/masks.md: which runs what).
-    ``need_weights=True`` returns ``(Z, A)`` (the einsum path's).
+    ``need_weights=True`` returns ``(Z, A)`` (the einsum path's). ``is_causal`` (PyTorch's
+    name) is refused: einattn's is ``causal``.
 
     >>> Q, K, V = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     >>> attention(Q, K, V, causal=True, window=3, softcap=30.0).shape
     torch.Size([1, 4, 6, 8])
     """
-    _check_impl(impl)
+    check_options(impl, dropout, block_size, is_causal)
     check_qkv(Q, K, V)
     stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, mask, causal,
                         _terms(window, softcap, alibi, sinks, document_ids), dropout, impl,
@@ -293,7 +301,8 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
                          window: int | None = None, softcap: float | None = None, alibi=False,
                          sinks: torch.Tensor | None = None,
                          document_ids: torch.Tensor | None = None,
-                         W_KV: torch.Tensor | None = None, b_KV: torch.Tensor | None = None):
+                         W_KV: torch.Tensor | None = None, b_KV: torch.Tensor | None = None,
+                         is_causal=None):
     """Equations (1)–(5) composed: ``Y[n τ i]`` from ``X[n τ i]``.
 
     ``dropout`` is applied to ``A`` (pass 0 outside training). ``need_weights=True``
@@ -314,7 +323,8 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     ``window``, ``softcap``, ``alibi``, ``sinks`` and ``document_ids`` are the attention
     patterns of equation (3), as in :func:`attention`. With ``W_KV`` (and ``b_KV``) the
     context has a width of its own: ``W`` is then ``W_Q[(μ a) i]`` and equation (1) splits
-    into (1q) and (1kv) (:mod:`einattn.cross`).
+    into (1q) and (1kv) (:mod:`einattn.cross`). ``is_causal`` (PyTorch's name) is refused:
+    einattn's is ``causal``.
 
     ``impl`` chooses how equations (2)–(4) run, on the same parameters: ``"einsum"`` (the
     equations as written; under ``torch.compile`` routed to SDPA, which Inductor fuses),
@@ -328,22 +338,31 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     >>> Y.shape
     torch.Size([2, 5, 16])
     """
-    _check_impl(impl)
+    check_options(impl, dropout, block_size, is_causal)
     if cache is not None:
         check_cache(cache, context)
     Q, K, V = _projected(x, W, b, context, W_KV, b_KV, n_heads, n_kv_heads, W_O)
+    terms = _terms(window, softcap, alibi, sinks, document_ids)
+    if cache is not None:  # every check that can be made before the cache is touched
+        _check_cached_call(cache, Q, W_O, b_O, mask, terms, positions, document_ids)
     positions, offset = (positions, 0) if cache is None or rope is None else \
         cache.placed(positions, x.shape[1], x.device)
     Q, K = rotary.turned(Q, K, (rope, rope_base, rope_scaling, rotary_dim), positions,
                          offset=offset, cross=context is not None)
-    terms = _terms(window, softcap, alibi, sinks, document_ids)
     # run's arguments by position (why: docs/performance.md, "How the fast paths are fast")
     how = (mask, causal, terms, dropout, impl, block_size, need_weights or return_intermediates)
+    seen = (need_weights, return_intermediates)
     if cache is None:
         stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, *how)
-    else:
+        return _outputs(Q, K, V, stages, W_O, b_O, *seen)
+    with cache.undo_on_error():  # a call that raises adds nothing to the cache
         K, V, stages = _cached(cache, _scaled(Q, scale), K, V, key_padding_mask, document_ids,
                                how)
+        return _outputs(Q, K, V, stages, W_O, b_O, *seen)
+
+
+def _outputs(Q, K, V, stages: dict, W_O, b_O, need_weights: bool, return_intermediates: bool):
+    """Equation (5) and what the caller asked for: ``Y``, ``(Y, A)`` or ``(Y, stages)``."""
     Y = combine_heads(stages["Z"], W_O, b_O)
     if return_intermediates:  # Q itself: s · √a is folded into (2)–(4)'s copy only
         return Y, {"Q": Q, "K": K, "V": V, **stages,
@@ -351,22 +370,28 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     return (Y, stages["A"]) if need_weights else Y
 
 
+def _check_cached_call(cache, Q, W_O, b_O, mask, terms, positions, document_ids) -> None:
+    """What a call with a cache is refused for, checked before the cache is touched: what the
+    cache does not take, and the output weights of equation (5)."""
+    cache.check_call(Q.shape[2], mask=mask, pattern=terms is not None, positions=positions,
+                     document_ids=document_ids)
+    if not torch.compiler.is_compiling():
+        HEADS.sizes(Z=Q.shape, W_O=W_O)  # Z[n μ τ a] has the sizes of Q[n μ τ a]
+    _check_b_O(b_O, W_O)
+
+
 def _cached(cache, Q, K, V, key_padding_mask, document_ids, how: tuple):
-    """K, V and (2)–(4) with a cache: this call's K and V join it (a call that raises leaves
-    it as it was) and the queries attend over what it holds: the filled positions of a
-    KVCache, every position of a StaticKVCache with those not filled masked."""
-    mask, causal, terms = how[:3]
-    with cache.undo_on_error():
-        K, V, key_padding_mask = cache.append(K, V, key_padding_mask, document_ids)
-        if isinstance(cache, StaticKVCache):
-            how = (cache.visible(Q.shape[2], causal, mask, terms), False, *how[2:])
-        elif document_ids is not None:  # the queries' documents and the cached keys'
-            how = (mask, causal, {**terms, "document_ids": cache.document_ids}, *how[3:])
-        return K, V, _paths.run(Q, K, V, key_padding_mask, *how)
+    """K, V and (2)–(4) with a cache: this call's K and V join it and the queries attend
+    over what it holds: the filled positions of a KVCache, every position of a
+    StaticKVCache with those not filled masked."""
+    K, V, key_padding_mask = cache.append(K, V, key_padding_mask, document_ids)
+    how = (*cache.masked(Q.shape[2], *how[:3]), *how[3:])
+    return K, V, _paths.run(Q, K, V, key_padding_mask, *how)
 
 
 def _projected(x, W, b, context, W_KV, b_KV, n_heads: int, n_kv_heads, W_O):
     """Q, K, V by (1), or (1q) and (1kv) given ``W_KV``; then ``W_O`` must write x's width."""
+    check_floating("x", x)
     QKV = (project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
            if W_KV is None else _cross.project(x, W, context, W_KV, n_heads=n_heads,
                                                n_kv_heads=n_kv_heads, b_Q=b, b_KV=b_KV))
@@ -388,24 +413,6 @@ def _terms(window, softcap, alibi, sinks, document_ids) -> dict | None:
 def _scaled(Q: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Q with ``s · √a`` folded in, so that equation (2)'s ``/ √a`` gives ``S = s · Q K``."""
     return Q if scale is None else Q * (check_scale(scale) * math.sqrt(Q.shape[-1]))
-
-
-def check_scale(scale) -> float:
-    """``scale`` itself, once it is known to be a finite positive number."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-            or not 0 < scale < math.inf:
-        raise EinattnError(f"scale (s in S = s · Q K, 1/√a by default) must be a finite "
-                           f"positive number, got {scale!r}")
-    return scale
-
-
-IMPLS = ("einsum", "sdpa", "chunked", "flex")
-
-
-def _check_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise EinattnError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
-    return impl
 
 
 def _einsum_stages(Q, K, V, M, pattern, dropout: float,

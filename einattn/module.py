@@ -13,7 +13,16 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import chunked, functional, layouts, patterns, rotary
+from . import _torch_mha, functional, layouts, patterns, rotary
+from ._checks import (
+    check_block_size,
+    check_dropout,
+    check_factory,
+    check_impl,
+    check_positive_int,
+    check_scale,
+    refuse_is_causal,
+)
 from .cache import KVCache
 from .errors import EinattnError
 
@@ -41,11 +50,15 @@ class MultiHeadAttention(nn.Module):
     ``nn.MultiheadAttention``; ``init="gpt2"`` draws weights from N(0, 0.02²).
     ``n_kv_heads`` makes it grouped-query attention (``W[(g C a) i]``); ``rope="half"`` or
     ``"interleaved"`` adds rotary position embeddings (:mod:`einattn.rotary`).
+    ``batch_first=False`` takes and gives ``(L, n, d_model)``, as ``nn.MultiheadAttention``
+    with ``batch_first=False`` does (masks, padding and weights keep einattn's indices).
 
     >>> layer = MultiHeadAttention(16, 4, causal=True)
     >>> layer(torch.randn(2, 5, 16)).shape
     torch.Size([2, 5, 16])
     """
+
+    batch_first = True  # the default, for a layer pickled before the option existed
 
     def __init__(self, d_model: int, n_heads: int, *, d_head: int | None = None,
                  n_kv_heads: int | None = None, bias: bool = False, dropout: float = 0.0,
@@ -54,32 +67,31 @@ class MultiHeadAttention(nn.Module):
                  rope_scaling: dict | None = None, rotary_dim: int | None = None,
                  scale: float | None = None, window: int | None = None,
                  softcap: float | None = None, alibi: bool = False, sinks: bool = False,
-                 d_context: int | None = None, device=None, dtype=None):
+                 d_context: int | None = None, batch_first: bool = True, device=None,
+                 dtype=None):
         super().__init__()
         d_head = _d_head(d_model, n_heads, d_head)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
-                or not 0.0 <= dropout < 1.0:
-            raise EinattnError(f"dropout must be in [0, 1), got {dropout}")
+        check_dropout(dropout)
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_head
         self.n_kv_heads, r = layouts.groups(n_heads, n_kv_heads)
         rows = self.n_kv_heads * (r + 2) * d_head
         self.dropout, self.causal = dropout, causal
-        self.impl, self.block_size = _check_impl(impl), chunked.check_block_size(block_size)
+        self.impl, self.block_size = check_impl(impl), check_block_size(block_size)
         self.rope, self.rope_base = rope, rope_base
         self.rope_scaling, self.rotary_dim = rope_scaling, rotary_dim
         if rope is not None or rope_scaling is not None or rotary_dim is not None:
             rotary.check_options(rope, rope_base, rope_scaling, rotary_dim, d_head)
-        self.scale = None if scale is None else functional.check_scale(scale)
+        self.scale = None if scale is None else check_scale(scale)
         self.window = None if window is None else patterns.check_window(window)
         self.softcap = None if softcap is None else patterns.check_softcap(softcap)
-        for name, flag in (("alibi", alibi), ("sinks", sinks)):
+        for name, flag in (("alibi", alibi), ("sinks", sinks), ("batch_first", batch_first)):
             if not isinstance(flag, bool):
                 raise EinattnError(f"{name} must be True or False, got {flag!r}")
-        self.alibi = alibi
+        self.alibi, self.batch_first = alibi, batch_first
         if d_context is not None:
-            _check_positive_int("d_context", d_context)
+            check_positive_int("d_context", d_context)
         self.d_context = d_context
-        self._make_parameters(rows, bias, sinks, {"device": device, "dtype": dtype})
+        self._make_parameters(rows, bias, sinks, check_factory(device, dtype))
         self.reset_parameters(init)
 
     def _make_parameters(self, rows: int, bias: bool, sinks: bool, kw: dict) -> None:
@@ -136,16 +148,18 @@ class MultiHeadAttention(nn.Module):
                                                                    "d_context")
                           if getattr(self, k) is not None)
                 + (", alibi=True" if self.alibi else "")
-                + (", sinks=True" if self.sinks is not None else ""))
+                + (", sinks=True" if self.sinks is not None else "")
+                + ("" if self.batch_first else ", batch_first=False"))
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
                 causal: bool | None = None, need_weights: bool = False,
                 return_intermediates: bool = False, impl: str | None = None,
                 positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, is_causal=None):
         """``Y[n τ i]`` from ``x`` ``(n, L_q, d_model)`` and optional ``context``
-        ``(n, L_k, d_model)``.
+        ``(n, L_k, d_model)`` (``(L_q, n, d_model)``, ``(L_k, n, d_model)`` and a
+        ``(L_q, n, d_model)`` output with ``batch_first=False``).
 
         ``mask``: bool (True = may attend) or float (added to the scores), shape (τ, σ),
         (n, τ, σ) or (n, μ, τ, σ). ``key_padding_mask``: bool ``(n, L_k)``, True = padding
@@ -163,8 +177,10 @@ class MultiHeadAttention(nn.Module):
         ``key_padding_mask`` then marks the new keys (a :class:`~einattn.StaticKVCache`:
         the same with one shape for every call, for a compiled step). ``document_ids`` (integers
         ``(n, L)``, self-attention) packs several documents in one sequence: a token
-        attends only within its own (with a cache, this call's tokens' ids).
+        attends only within its own (with a cache, this call's tokens' ids). ``is_causal``
+        (PyTorch's name) is refused: einattn's is ``causal``.
         """
+        refuse_is_causal(is_causal)
         # w's entries go by name, not as **w: docs/performance.md, "How the fast paths are fast"
         w = self._attention_weights()
         self._check_input("x", x, w["W"])
@@ -172,17 +188,20 @@ class MultiHeadAttention(nn.Module):
             context = self._own_context(x, context)
         if context is not None:
             self._check_input("context", context, w["W"], self.d_context)
-        return functional.multi_head_attention(
+        if not self.batch_first:  # (L, n, d): the equations read X[n τ i]
+            x, context = x.transpose(0, 1), None if context is None else context.transpose(0, 1)
+        out = functional.multi_head_attention(
             x, w["W"], w["W_O"], b=w["b"], b_O=w["b_O"], n_heads=w["n_heads"],
             n_kv_heads=w["n_kv_heads"], context=context, mask=mask,
             key_padding_mask=key_padding_mask, causal=self.causal if causal is None else causal,
             dropout=self.dropout if self.training else 0.0,
             need_weights=need_weights, return_intermediates=return_intermediates,
-            impl=self.impl if impl is None else _check_impl(impl), block_size=self.block_size,
+            impl=self.impl if impl is None else check_impl(impl), block_size=self.block_size,
             rope=self.rope, rope_base=self.rope_base, rope_scaling=self.rope_scaling,
             rotary_dim=self.rotary_dim, positions=positions, cache=cache, scale=self.scale,
             window=self.window, softcap=self.softcap, alibi=w["alibi"], sinks=w["sinks"],
             document_ids=document_ids, W_KV=w["W_KV"], b_KV=w["b_KV"])
+        return out if self.batch_first else _sequence_first(out)
 
     def _attention_weights(self) -> dict:
         """What forward hands :func:`einattn.functional.multi_head_attention`: parameters
@@ -224,8 +243,8 @@ class MultiHeadAttention(nn.Module):
             else ("d_context", d_context, "j", "W_KV")
         if t.ndim != 3 or t.shape[-1] != size:
             raise EinattnError(f"{name} has shape {tuple(t.shape)} but the layer expects "
-                               f"(n, L, {width}={size}) (index {index!r} has size "
-                               f"{size} in {weight})")
+                               f"({'n, L' if self.batch_first else 'L, n'}, {width}={size}) "
+                               f"(index {index!r} has size {size} in {weight})")
         if t.dtype != W.dtype:
             raise EinattnError(f"{name} is {t.dtype} but the layer's W is {W.dtype}; "
                                f"convert one with .to()")
@@ -244,7 +263,7 @@ class MultiHeadAttention(nn.Module):
         keeps. ``n_kv_heads`` defaults to what ``W_k``'s rows imply (``n_heads`` without
         grouped-query attention); ``j`` (``W_k``'s columns) other than ``i`` makes a
         ``d_context`` layer, whose keys and values come from a context of that width."""
-        _check_positive_int("n_heads", n_heads)
+        check_positive_int("n_heads", n_heads)
         if not isinstance(W_q, torch.Tensor) or W_q.ndim != 2:
             shape = tuple(W_q.shape) if isinstance(W_q, torch.Tensor) else type(W_q).__name__
             raise EinattnError(f"W_q must be a 2-D weight W_q[(μ a) i], got {shape}")
@@ -342,78 +361,32 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, **layer_options) -> MultiHeadAttention:
-        """An equivalent layer from ``nn.MultiheadAttention`` (batch_first either way: einattn
-        is always batch-first; bias either way); ``kdim = vdim`` other than ``embed_dim``
-        makes a ``d_context`` layer."""
-        if mha.kdim != mha.vdim:
-            raise EinattnError(f"from_torch needs kdim = vdim (one context C[n σ j] gives the "
-                               f"keys and the values), got kdim={mha.kdim}, vdim={mha.vdim}")
-        if mha.bias_k is not None or mha.add_zero_attn:
-            raise EinattnError("from_torch needs no add_bias_kv or add_zero_attn: einattn's "
-                               "keys and values are the context's alone")
-        n_heads = mha.num_heads
-        if mha._qkv_same_embed_dim:
-            W_q, W_k, W_v = mha.in_proj_weight.detach().chunk(3)
-        else:
-            W_q, W_k, W_v = (w.detach() for w in (mha.q_proj_weight, mha.k_proj_weight,
-                                                   mha.v_proj_weight))
-        b = mha.in_proj_bias
-        b_q, b_k, b_v = (None,) * 3 if b is None else b.detach().chunk(3)
-        b_o = None if mha.out_proj.bias is None else mha.out_proj.bias.detach()
-        layer_options.setdefault("dropout", mha.dropout)
-        return cls.from_projections(W_q, W_k, W_v, mha.out_proj.weight.detach(), n_heads=n_heads,
-                                    b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o, **layer_options)
+        """An equivalent layer from ``nn.MultiheadAttention``: its weights, bias or none, its
+        dropout and its ``batch_first`` (``layer_options`` override them); ``kdim = vdim``
+        other than ``embed_dim`` makes a ``d_context`` layer."""
+        return _torch_mha.from_torch(cls, mha, layer_options)
 
     def to_torch(self) -> nn.MultiheadAttention:
-        """An equivalent ``nn.MultiheadAttention`` (batch_first=True, same dtype and device)."""
-        if self.n_kv_heads != self.n_heads:
-            raise EinattnError(f"nn.MultiheadAttention has no grouped-query attention, but this "
-                               f"layer has n_kv_heads={self.n_kv_heads} < n_heads={self.n_heads}")
-        if self.rope is not None:
-            raise EinattnError(f"nn.MultiheadAttention has no rotary embeddings, but this layer "
-                               f"has rope={self.rope!r}")
-        if self.scale is not None:
-            raise EinattnError(f"nn.MultiheadAttention always scales the scores by 1/√a, but "
-                               f"this layer has scale={self.scale}")
-        patterned = [f"{k}={v!r}" for k, v in (("window", self.window),
-                                               ("softcap", self.softcap), ("alibi", self.alibi),
-                                               ("sinks", self.sinks is not None)) if v]
-        if patterned:
-            raise EinattnError(f"nn.MultiheadAttention has no attention patterns, but this "
-                               f"layer has {', '.join(patterned)}")
-        if self.causal:
-            raise EinattnError("nn.MultiheadAttention keeps no causal flag, but this layer has "
-                               "causal=True: convert a causal=False layer and pass "
-                               "attn_mask=~einattn.masks.causal_mask(L) (or is_causal=True "
-                               "with that mask) on each call")
-        if self.n_heads * self.d_head != self.d_model:
-            raise EinattnError(f"nn.MultiheadAttention needs n_heads·d_head = d_model, but "
-                               f"{self.n_heads}·{self.d_head} != {self.d_model}")
-        mha = nn.MultiheadAttention(self.d_model, self.n_heads, dropout=self.dropout,
-                                    bias=self.b_O is not None, batch_first=True,
-                                    kdim=self.d_context, vdim=self.d_context,
-                                    device=self.W_O.device, dtype=self.W_O.dtype)
-        _copy_into(mha, self.projections())
-        return mha.train(self.training)
+        """An equivalent ``nn.MultiheadAttention`` (this layer's ``batch_first``, dtype and
+        device); a layer it cannot express is refused, naming the option."""
+        return _torch_mha.to_torch(self)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        """``nn.Module``'s loading, after refusing an ``nn.MultiheadAttention`` state dict,
+        whose keys name another layout (convert that module with :meth:`from_torch`)."""
+        own = [name for name, p in self._parameters.items() if p is not None]
+        _torch_mha.refuse_torch_state(state_dict, prefix, own)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
 
-def _copy_into(mha: nn.MultiheadAttention, p: Projections) -> None:
-    """``nn.Linear``-layout weights into ``nn.MultiheadAttention``'s own parameters."""
-    with torch.no_grad():
-        if mha._qkv_same_embed_dim:
-            mha.in_proj_weight.copy_(torch.cat([p.W_q, p.W_k, p.W_v]))
-        else:  # kdim = vdim ≠ embed_dim: three separate weights
-            for name, w in (("q", p.W_q), ("k", p.W_k), ("v", p.W_v)):
-                getattr(mha, f"{name}_proj_weight").copy_(w)
-        mha.out_proj.weight.copy_(p.W_o)
-        if p.b_o is not None:
-            mha.in_proj_bias.copy_(torch.cat([p.b_q, p.b_k, p.b_v]))
-            mha.out_proj.bias.copy_(p.b_o)
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EinattnError(f"{name} must be a positive int, got {value!r}")
+def _sequence_first(out):
+    """The output of a ``batch_first=False`` layer: ``Y`` as ``(L, n, d_model)`` (a view);
+    the weights and intermediates beside it keep einattn's indices."""
+    if isinstance(out, tuple):
+        return (out[0].transpose(0, 1), *out[1:])
+    return out.transpose(0, 1)
 
 
 def _check_fixed(method: str, layer_options: dict) -> None:
@@ -424,18 +397,11 @@ def _check_fixed(method: str, layer_options: dict) -> None:
                            f".to(...) on the result to change dtype or device")
 
 
-def _check_impl(impl: str) -> str:
-    if impl not in functional.IMPLS:
-        raise EinattnError(f"impl must be one of {', '.join(map(repr, functional.IMPLS))}, "
-                           f"got {impl!r}")
-    return impl
-
-
 def _d_head(d_model: int, n_heads: int, d_head: int | None) -> int:
-    _check_positive_int("d_model", d_model)
-    _check_positive_int("n_heads", n_heads)
+    check_positive_int("d_model", d_model)
+    check_positive_int("n_heads", n_heads)
     if d_head is not None:
-        _check_positive_int("d_head", d_head)
+        check_positive_int("d_head", d_head)
         return d_head
     if d_model % n_heads:
         raise EinattnError(f"d_model={d_model} is not divisible by n_heads={n_heads}: index "

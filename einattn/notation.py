@@ -192,6 +192,7 @@ class Equation:
         except (RuntimeError, TypeError) as error:
             failure = error
         self._plan(arguments)  # raises an EinattnError if the arguments are at fault
+        self._check_dtypes(arguments, failed=True)  # or if a dtype is
         raise failure
 
     def _traced(self, arguments: dict[str, Any]) -> torch.Tensor:
@@ -317,10 +318,18 @@ class Equation:
                          f"(tensors: {', '.join(self.operands)})", self.text)
         return shapes, given
 
-    def _check_dtypes(self, arguments: dict[str, Any]) -> None:
+    def _check_dtypes(self, arguments: dict[str, Any], failed: bool = False) -> None:
+        """The operands' dtypes and devices agree; once the backend ``failed``, each dtype is
+        one this equation runs on (not bool; no integers with a scale or off the CPU)."""
         first = arguments[self.operands[0]]
-        for name in self.operands[1:]:
+        for name in self.operands:
             t = arguments[name]
+            if failed and not (t.is_floating_point() or t.is_complex()):
+                takes = (f" (its scale / √{self._parsed.scale} is not an integer)"
+                         if self._parsed.scale else ", or integers where torch multiplies them")
+                raise at(f"{name} is {t.dtype} on {t.device.type}, which this equation does not "
+                         f"run on: it takes floating-point or complex tensors{takes}; convert "
+                         f"with .to()", self.text)
             if t.dtype != first.dtype and _autocast.dtype(t.device) is None:
                 # (under autocast the backend casts the operands: Z is bfloat16, W_O is not)
                 raise at(f"{name} is {t.dtype} but {self.operands[0]} is {first.dtype}", self.text)

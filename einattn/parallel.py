@@ -130,7 +130,8 @@ def gather_heads(layer: MultiHeadAttention) -> MultiHeadAttention:
         impl=layer.impl, block_size=layer.block_size, rope=layer.rope,
         rope_base=layer.rope_base, rope_scaling=layer.rope_scaling, rotary_dim=layer.rotary_dim,
         scale=layer.scale, window=layer.window, softcap=layer.softcap, alibi=layer.alibi,
-        sinks=layer.sinks is not None, device=full["W"].device, dtype=full["W"].dtype)
+        sinks=layer.sinks is not None, batch_first=layer.batch_first, device=full["W"].device,
+        dtype=full["W"].dtype)
     with torch.no_grad():
         for name, t in full.items():
             if t is not None:
@@ -272,6 +273,9 @@ def shard_sequence(layer: MultiHeadAttention, device_mesh: DeviceMesh, *,
     (``impl="einsum"``).
     """
     _check_shardable(layer, "shard_sequence")
+    if not layer.batch_first:
+        raise EinattnError("shard_sequence cuts the tokens along dim 1 of x (n, L, d_model): "
+                           "build the layer with batch_first=True")
     _check_mesh(device_mesh, "shard_sequence", "the sequence-parallel dimension, e.g. "
                 "mesh['cp']")
     ring.check_layout(layout)

@@ -28,8 +28,9 @@ from .errors import EinattnError
 
 class StaticKVCache:
     """Keys, values and key padding of up to ``max_length`` tokens, in storage of that size
-    made at the first call (zeros, so that a position not filled holds nothing that could
-    turn NaN behind its mask).
+    made at the first call. Every position not filled holds zeros in ``K`` and ``V`` (nothing
+    that could turn NaN behind its mask) and is padding, after :meth:`reset` and after a
+    refused call too: a call that raises leaves the cache exactly as it was.
 
     >>> cache = StaticKVCache(max_length=8)
     >>> K, V, pad = cache.append(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
@@ -59,25 +60,64 @@ class StaticKVCache:
         """Start a new sequence in the same storage."""
         if self.filled is not None:
             self.filled.zero_()
-            self.padding.fill_(True)
+            self._empty_unfilled()
 
     @contextmanager
     def undo_on_error(self) -> Iterator[None]:
-        """A call that fails leaves the count filled as it was (what it wrote lies beyond
-        it, masked)."""
+        """Put the cache back as it was if the block raises: a first call's storage is
+        dropped; a later call's count ``f`` is restored and what it wrote at ``f`` and after
+        is emptied again, as every position not filled is."""
         saved = None if self.filled is None else self.filled.clone()
         try:
             yield
         except BaseException:
-            if saved is not None:
+            if saved is None:
+                self.K = self.V = self.padding = self.filled = None
+            else:
                 self.filled.copy_(saved)
+                self._empty_unfilled()
             raise
 
-    def placed(self, positions, L: int, device) -> tuple[torch.Tensor, int]:
-        """RoPE's positions of a call's ``L`` tokens, ``f … f + L − 1``, and offset 0."""
+    def _empty_unfilled(self) -> None:
+        """Zeros in ``K`` and ``V``, and padding, at every position ``σ ≥ f``."""
+        unfilled = torch.arange(self.max_length, device=self.K.device) >= self.filled
+        self.K.masked_fill_(unfilled[:, None], 0)
+        self.V.masked_fill_(unfilled[:, None], 0)
+        self.padding.masked_fill_(unfilled, True)
+
+    def check_call(self, L: int, *, mask=None, pattern: bool = False, positions=None,
+                   document_ids=None) -> None:
+        """Refuse, before anything is written, a call of ``L`` tokens this cache cannot
+        take: ``document_ids``, ``positions``, a ``mask`` or an attention ``pattern``, or
+        more positions than ``max_length`` holds (the count filled is read where it can be:
+        not inside a compiled region)."""
+        if document_ids is not None:
+            raise EinattnError("a StaticKVCache keeps no document_ids; use KVCache")
         if positions is not None:
             raise EinattnError("a StaticKVCache places the tokens at the positions it has "
                                "filled; drop positions=")
+        if mask is not None or pattern:
+            raise EinattnError("a StaticKVCache takes causal and key_padding_mask; a mask or "
+                               "an attention pattern (window, ALiBi, softcap, sinks, "
+                               "documents) needs KVCache")
+        if L > self.max_length:
+            raise EinattnError(f"a call of {L} positions does not fit a StaticKVCache of "
+                               f"max_length={self.max_length}")
+        if torch.compiler.is_compiling():
+            return
+        f = len(self)
+        if f > self.max_length:
+            raise EinattnError(f"a compiled call went past max_length={self.max_length} ({f} "
+                               f"positions counted): its values were written as NaN at the "
+                               f"last position, so its outputs and every later call's are NaN; "
+                               f"call cache.reset()")
+        if f + L > self.max_length:
+            raise EinattnError(f"the cache holds at most max_length={self.max_length} "
+                               f"positions, but {f} filled and {L} new make {f + L}")
+
+    def placed(self, positions, L: int, device) -> tuple[torch.Tensor, int]:
+        """RoPE's positions of a call's ``L`` tokens, ``f … f + L − 1``, and offset 0 (a
+        call that gives ``positions`` is refused by :meth:`check_call`)."""
         start = torch.zeros((), dtype=torch.long, device=device) if self.filled is None \
             else self.filled
         return start + torch.arange(L, device=device), 0
@@ -86,14 +126,10 @@ class StaticKVCache:
                key_padding_mask: torch.Tensor | None = None, document_ids=None):
         """Write this call's ``K[n g σ a]``, ``V[n g σ a]`` and key padding at positions
         ``f … f + L − 1``; return the whole storage ``(K, V, padding)``, the positions not
-        filled marked as padding."""
-        if document_ids is not None:
-            raise EinattnError("a StaticKVCache keeps no document_ids; use KVCache")
+        filled marked as padding. Everything is checked before the first write."""
         check_new(K, V, key_padding_mask)
         n, L = K.shape[0], K.shape[2]
-        if L > self.max_length:
-            raise EinattnError(f"a call of {L} positions does not fit a StaticKVCache of "
-                               f"max_length={self.max_length}")
+        self.check_call(L, document_ids=document_ids)
         if self.K is None:
             self._make(K)
         elif self.K.shape[:2] != K.shape[:2] or self.K.shape[3] != K.shape[3] \
@@ -101,11 +137,9 @@ class StaticKVCache:
             raise EinattnError(f"the new keys are {tuple(K.shape)} {K.dtype} on {K.device} but "
                                f"the cache holds K[n g σ a] of {tuple(self.K.shape)} "
                                f"{self.K.dtype} on {self.K.device}: make another StaticKVCache")
-        if not torch.compiler.is_compiling() and int(self.filled) + L > self.max_length:
-            raise EinattnError(f"the cache holds at most max_length={self.max_length} "
-                               f"positions, but {int(self.filled)} filled and {L} new make "
-                               f"{int(self.filled) + L}")
         where = self.filled + torch.arange(L, device=K.device)
+        if torch.compiler.is_compiling():  # f is on the device, unchecked: see _past_the_end
+            where, V = _past_the_end(where, V, self.max_length)
         self.K.index_copy_(2, where, K)
         self.V.index_copy_(2, where, V)
         new = torch.zeros(n, L, dtype=torch.bool, device=K.device) if key_padding_mask is None \
@@ -121,16 +155,24 @@ class StaticKVCache:
         self.padding = torch.ones(n, self.max_length, dtype=torch.bool, device=K.device)
         self.filled = torch.zeros((), dtype=torch.long, device=K.device)
 
-    def visible(self, L: int, causal: bool, mask, terms) -> torch.Tensor:
-        """``M`` as a bool mask ``(τ, σ)`` over every position, after this call's ``L``
-        were appended: key σ ≤ f + τ (causal) or σ < f + L, with f counted before them. A
-        mask or pattern of the caller's would be aligned with positions it cannot see."""
-        if mask is not None or terms is not None:
-            raise EinattnError("a StaticKVCache takes causal and key_padding_mask; a mask or "
-                               "an attention pattern (window, ALiBi, softcap, sinks, "
-                               "documents) needs KVCache")
+    def masked(self, L: int, mask, causal: bool, terms: dict | None) -> tuple:
+        """``(mask, causal, terms)`` of a call of ``L`` queries over every position, once
+        appended: ``M`` as a bool mask ``(τ, σ)``, key σ ≤ f + τ (causal) or σ < f + L, with
+        f counted before them. (A mask or terms of the caller's would be aligned with
+        positions it cannot see: :meth:`check_call` refused them.)"""
         sigma = torch.arange(self.max_length, device=self.K.device)
         if not causal:
-            return (sigma < self.filled).expand(L, self.max_length)
+            return (sigma < self.filled).expand(L, self.max_length), False, None
         first = self.filled - L  # this call's first position
-        return sigma[None, :] <= first + torch.arange(L, device=self.K.device)[:, None]
+        return sigma[None, :] <= first + torch.arange(L, device=self.K.device)[:, None], \
+            False, None
+
+
+def _past_the_end(where: torch.Tensor, V: torch.Tensor, max_length: int):
+    """Where a compiled call writes, and its values: a call past ``max_length`` (which a
+    compiled step cannot refuse without reading ``f`` back from the device) writes at the
+    last position, not out of bounds (an IndexError, on CUDA a device-side assert), and its
+    values as NaN, so that its outputs, and every later call's, are NaN rather than numbers;
+    :meth:`StaticKVCache.check_call` refuses the next eager call."""
+    past = where[-1] >= max_length
+    return where.clamp(max=max_length - 1), V.masked_fill(past, float("nan"))

@@ -111,11 +111,11 @@ BAD = {
                      r"d_head must be a positive int, got 6\.0"),
     # -- constructor: options ----------------------------------------------------------------
     "dropout-negative": (lambda: MultiHeadAttention(30, 5, dropout=-0.1),
-                         r"dropout must be in \[0, 1\), got -0\.1"),
+                         r"dropout .* must be a number in \[0, 1\), got -0\.1"),
     "dropout-one": (lambda: MultiHeadAttention(30, 5, dropout=1.0),
-                    r"dropout must be in \[0, 1\), got 1\.0"),
+                    r"dropout .* must be a number in \[0, 1\), got 1\.0"),
     "dropout-nan": (lambda: MultiHeadAttention(30, 5, dropout=float("nan")),
-                    r"dropout must be in \[0, 1\), got nan"),
+                    r"dropout .* must be a number in \[0, 1\), got nan"),
     "init-unknown": (lambda: MultiHeadAttention(30, 5, init="xavier"),
                      r"init must be 'torch' or 'gpt2', got 'xavier'"),
     "reset_parameters-unknown": (lambda: _layer().reset_parameters("kaiming"),
@@ -128,6 +128,8 @@ BAD = {
                                            r"d_model=30\)"),
     "x-4d": (lambda: _layer()(_x(1, N, L_Q, D)),
              r"x has shape \(1, 2, 5, 30\) but the layer expects \(n, L, d_model=30\)"),
+    "x-sequence-first": (lambda: _layer(batch_first=False)(_x(L_Q, N, 29)),
+                         r"x has shape \(5, 2, 29\) but the layer expects \(L, n, d_model=30\)"),
     "x-list": (lambda: _layer()([[[0.0] * D]]), r"x must be a torch\.Tensor, got list"),
     "x-dtype": (lambda: _layer()(_x(dtype=torch.float32)),
                 r"x is torch\.float32 but the layer's W is torch\.float64; convert one with "
@@ -254,7 +256,7 @@ BAD = {
     "impl-unknown-per-call": (lambda: MultiHeadAttention(30, 5)(torch.ones(1, 2, 30), impl="x"),
                               r"impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', got 'x'"),
     "dropout-not-a-number": (lambda: MultiHeadAttention(30, 5, dropout="0.1"),
-                             r"dropout must be in \[0, 1\), got 0\.1"),
+                             r"dropout .* must be a number in \[0, 1\), got '0\.1'"),
     "from_fused-W_O-2-D": (lambda: MultiHeadAttention.from_fused(torch.ones(90, 30),
                                                                   torch.ones(30, 30)),
                            r"W_O has shape \(30, 30\) but W_O\[μ a i\] is 3-D"),
@@ -309,7 +311,7 @@ BAD = {
                           r"has window=4, alibi=True"),
     **{f"layer-{name}-not-bool": (lambda name=name: _layer(**{name: 1}),
                                   rf"{name} must be True or False, got 1")
-       for name in ("alibi", "sinks")},
+       for name in ("alibi", "sinks", "batch_first")},
     "to_torch-scale": (lambda: MultiHeadAttention(30, 5, scale=0.1).to_torch(),
                        r"nn.MultiheadAttention always scales the scores by 1/√a, but this layer "
                        r"has scale=0.1"),
@@ -442,3 +444,95 @@ def test_messages_name_what_is_wrong_rather_than_the_backend():
         with pytest.raises(EinattnError) as info:
             call()
         assert not re.search(r"einsum\(|operand|size of tensor", str(info.value)), name
+
+
+# -- what reached the backend: dtypes, dropout, block sizes (issue 34, item 6) ---------------
+# Each of these used to raise torch's own error (a RuntimeError from requires_grad, torch's
+# ValueError for dropout=1.5, a matmul's dtype error, addmm's NotImplementedError, range()'s
+# ValueError) or, for integer Q, K, V on the chunked path, to answer in integers.
+
+def _qkv(dtype=F64):
+    return torch.ones(N, H, L_Q, 6, dtype=dtype), *(torch.ones(N, H, L_K, 6, dtype=dtype),) * 2
+
+
+def _functional_layer(dtype=F64, **options):
+    """functional.multi_head_attention on x (2, 5, 30) and W, W_O of d_model 30, 5 heads."""
+    F = einattn.functional
+    return lambda: F.multi_head_attention(_x(dtype=dtype), torch.ones(90, D, dtype=dtype),
+                                          torch.ones(H, 6, D, dtype=dtype), n_heads=H, **options)
+
+
+def _attention(dtype=F64, **options):
+    return lambda: einattn.functional.attention(*_qkv(dtype), **options)
+
+
+def _equation(text: str, dtype: torch.dtype):
+    return lambda: einattn.Equation(text)(Q=torch.ones(2, 3, dtype=dtype),
+                                          K=torch.ones(4, 3, dtype=dtype))
+
+
+DROPOUT = r"dropout \(the probability that a weight A\[n μ τ σ\] is zeroed\) must be a number in "
+FLOATS = r"attention runs on floating-point tensors \(float16, bfloat16, float32, float64\)"
+SCALED = "S[τ σ] = Q[τ a] K[σ a] / √a"
+NOT_THE_BACKEND = {
+    **{f"layer-dtype-{name}": (lambda dt=dt: MultiHeadAttention(D, H, dtype=dt),
+                               rf"dtype \(the layer's weights'\) must be a floating-point "
+                               rf"torch.dtype \(torch.float32, torch.bfloat16, ...\), got {got}")
+       for name, dt, got in (("long", torch.long, r"torch\.int64"),
+                             ("bool", torch.bool, r"torch\.bool"),
+                             ("complex", torch.complex64, r"torch\.complex64"),
+                             ("str", "float32", r"'float32'"))},
+    "layer-device-unknown": (lambda: MultiHeadAttention(D, H, device="gpu"),
+                             r"device must be a torch.device, its name or its index \('cpu', "
+                             r"'cuda:0', 0, ...\), got 'gpu'"),
+    "layer-device-list": (lambda: MultiHeadAttention(D, H, device=[0]),
+                          r"device must be .*got \[0\]"),
+    "from_fused-long": (lambda: MultiHeadAttention.from_fused(torch.ones(90, D, dtype=torch.long),
+                                                              torch.ones(H, 6, D,
+                                                                         dtype=torch.long)),
+                        r"dtype \(the layer's weights'\) must be a floating-point"),
+    **{f"{where}-dropout-{p!r}-{impl}": (call(dropout=p, impl=impl),
+                                         DROPOUT + rf"\[0, 1\), got {re.escape(repr(p))}")
+       for where, call in (("functional", _functional_layer), ("attention", _attention))
+       for impl in ("einsum", "sdpa")
+       for p in (1.5, -0.1, float("nan"), 1.0, None, True, "0.1")},
+    **{f"attention-{dt}-{impl}": (_attention(dt, impl=impl), rf"^Q is {dt}: " + FLOATS)
+       for dt in (torch.long, torch.bool) for impl in ("einsum", "sdpa", "chunked", "flex")},
+    **{f"functional-{dt}-{impl}": (_functional_layer(dt, impl=impl), rf"^x is {dt}: " + FLOATS)
+       for dt in (torch.long, torch.bool) for impl in ("einsum", "sdpa", "chunked", "flex")},
+    "chunked.attention-long": (lambda: einattn.chunked.attention(*_qkv(torch.long)),
+                               r"^Q is torch.int64: " + FLOATS),
+    "masked_softmax-long": (lambda: einattn.functional.masked_softmax(torch.ones(2, 3).long()),
+                            r"^S is torch.int64: " + FLOATS),
+    "attention-block_size-0": (_attention(impl="chunked", block_size=0),
+                               r"block_size \(the number of queries τ and of keys σ per tile\) "
+                               r"must be a positive int, got 0"),
+    "functional-block_size-float": (_functional_layer(impl="chunked", block_size=2.0),
+                                    r"block_size .* must be a positive int, got 2\.0"),
+    "equation-scaled-long": (_equation(SCALED, torch.long),
+                             r"^Q is torch.int64 on cpu, which this equation does not run on: it "
+                             r"takes floating-point or complex tensors \(its scale / √a is not "
+                             r"an integer\); convert with .to\(\)\n  S\[τ σ\]"),
+    "equation-scaled-bool": (_equation(SCALED, torch.bool),
+                             r"^Q is torch.bool on cpu, .*\(its scale / √a is not an integer\)"),
+    "equation-bool": (_equation("S[τ σ] = Q[τ a] K[σ a]", torch.bool),
+                      r"^Q is torch.bool on cpu, which this equation does not run on: it takes "
+                      r"floating-point or complex tensors, or integers where torch multiplies "
+                      r"them; convert with .to\(\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_THE_BACKEND))
+def test_what_reached_the_backend_is_refused_by_name(name):
+    call, match = NOT_THE_BACKEND[name]
+    with pytest.raises(EinattnError, match=match) as info:
+        call()
+    assert info.value.__cause__ is None
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.uint8])
+def test_an_equation_without_a_scale_still_runs_on_integers(dtype):
+    """Exact integer checks (einattn.verify's) keep working: no scale, on the CPU."""
+    Q, K = torch.arange(6, dtype=dtype).reshape(2, 3), torch.arange(12, dtype=dtype).reshape(4, 3)
+    S = einattn.Equation("S[τ σ] = Q[τ a] K[σ a]")(Q=Q, K=K)
+    assert S.dtype == dtype and torch.equal(S, Q @ K.T)

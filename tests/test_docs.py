@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import subprocess
+import sys
 import unicodedata
 from pathlib import Path
 
@@ -257,3 +260,29 @@ def test_links_resolve(path):
         file, _, anchor = target.partition("#")
         if "://" not in target:
             assert (DOCS / file).exists() if file else anchor in anchors, target
+
+
+# A bash block that writes a script and runs it under torchrun, as docs/distributed.md shows.
+# The output a page shows for it is the next text block after one line of prose.
+TORCHRUN = re.compile(r"^cat > (\S+\.py) <<'EOF'\n(.*?)^EOF\ntorchrun --standalone "
+                      r"--nproc-per-node (\d+) \1\n```\n(?:\n[^\n`]+\n\n```text\n(.*?)```)?",
+                      re.M | re.S)
+
+
+def test_the_cpu_sized_torchrun_script_runs_as_the_page_shows(tmp_path):
+    """docs/distributed.md's CPU-sized script, run as written (torchrun, 2 gloo processes,
+    this checkout's einattn), prints what the page says; the GPU-sized scripts compile."""
+    doc = (DOCS / "distributed.md").read_text(encoding="utf-8")
+    scripts = {name: (code, int(n), printed) for name, code, n, printed in TORCHRUN.findall(doc)}
+    assert {"head_parallel.py", "ring_attention.py", "cpu_parallel.py"} <= set(scripts)
+    for name, (code, _, _) in scripts.items():
+        compile(code, name, "exec", dont_inherit=True)
+    code, nproc, printed = scripts["cpu_parallel.py"]
+    (tmp_path / "cpu_parallel.py").write_text(code, encoding="utf-8")
+    path = os.pathsep.join(filter(None, [str(DOCS.parent), os.environ.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", str(nproc), "cpu_parallel.py"], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": path}, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert nproc == 2 and run.stdout.splitlines() == printed.splitlines()

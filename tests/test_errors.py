@@ -118,6 +118,18 @@ SITES = [
     Site("{} is {} but {} is {}", "dtype_mismatch",
          _calls(SCORES, Q=q(2, 4, 5, 3), K=q(2, 4, 7, 3, dtype=torch.float32)),
          r"^K is torch\.float32 but Q is torch\.float64\n", SCORES),
+    Site("{} is {} on {}, which this equation does not run on: it takes floating-point or "
+         "complex tensors{}; convert with .to()", "integers_with_a_scale",
+         _calls(SCORES + " / √a", Q=q(2, 4, 5, 3, dtype=torch.long),
+                K=q(2, 4, 7, 3, dtype=torch.long)),
+         r"^Q is torch\.int64 on cpu, which this equation does not run on: it takes "
+         r"floating-point or complex tensors \(its scale / √a is not an integer\); convert "
+         r"with \.to\(\)\n", SCORES + " / √a"),
+    Site("{} is {} on {}, which this equation does not run on: it takes floating-point or "
+         "complex tensors{}; convert with .to()", "bools",
+         _calls(SCORES, Q=q(2, 4, 5, 3, dtype=torch.bool), K=q(2, 4, 7, 3, dtype=torch.bool)),
+         r"^Q is torch\.bool on cpu, .* tensors, or integers where torch multiplies them; "
+         r"convert with \.to\(\)\n", SCORES),
     Site("{} is on {} but {} is on {}", "device_mismatch",
          _calls(SCORES, Q=q(2, 4, 5, 3), K=q(2, 4, 7, 3, device="meta")),
          rf"^K is on meta but Q is on {here()}\n", SCORES),

@@ -19,7 +19,8 @@ import torch
 from conftest import randn
 from torch import nn
 
-from einattn import EinattnError, MultiHeadAttention, reference
+from einattn import EinattnError, KVCache, MultiHeadAttention, reference
+from einattn import functional as F
 
 F64 = torch.float64
 N, L_Q, L_K, D, H = 2, 5, 7, 30, 5
@@ -431,8 +432,9 @@ def test_from_torch_to_torch_round_trip(bias, batch_first):
     layer = MultiHeadAttention.from_torch(mha)
     assert (layer.b is None) == (not bias) and layer.dropout == 0.125
     assert layer.W.dtype == F64
+    assert layer.batch_first is batch_first  # called as the module was, (L, n, d) or not
     back = layer.to_torch()
-    assert back.batch_first and back.dropout == 0.125 and back.num_heads == H
+    assert back.batch_first is batch_first and back.dropout == 0.125 and back.num_heads == H
     for (name, p), q in zip(mha.named_parameters(), back.parameters(), strict=True):
         assert torch.equal(p, q), name
     mha.eval(), layer.eval(), back.eval()
@@ -440,9 +442,8 @@ def test_from_torch_to_torch_round_trip(bias, batch_first):
     with torch.no_grad():
         xt = x if batch_first else x.transpose(0, 1)
         Y_t = mha(xt, xt, xt, need_weights=False)[0]
-        Y_t = Y_t if batch_first else Y_t.transpose(0, 1)
-        assert _close(layer(x), Y_t)
-        assert _close(back(x, x, x, need_weights=False)[0], Y_t)
+        assert _close(layer(xt), Y_t)
+        assert _close(back(xt, xt, xt, need_weights=False)[0], Y_t)
 
 
 def test_from_torch_layer_options_override():
@@ -671,3 +672,127 @@ def test_the_layer_runs_under_autocast(impl, n_kv_heads, masking):
     expected = layer(x, **kwargs)
     scale = expected.abs().max().item()
     assert (Y.float() - expected).abs().max().item() <= 3e-2 * max(1.0, scale)
+
+
+# -- what a PyTorch user brings: batch_first, torch's state dict, is_causal (issue 34, item 7) --
+
+
+def _pair_by_layout(**options) -> tuple[MultiHeadAttention, MultiHeadAttention]:
+    """The same weights, batch-first and sequence-first."""
+    first = _layer(seed=21, **options)
+    second = MultiHeadAttention(D, H, bias=True, dtype=F64, batch_first=False, **options)
+    second.load_state_dict(first.state_dict())
+    return first, second
+
+
+def _t(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)
+
+
+@pytest.mark.parametrize("call", ["self", "context", "padding-mask-weights", "causal-stages"])
+def test_batch_first_false_takes_and_gives_sequence_first(call):
+    """x (L_q, n, d_model), context (L_k, n, d_model), Y (L_q, n, d_model): the batch-first
+    layer's numbers; masks, key padding, weights and intermediates keep their indices."""
+    bf, sf = _pair_by_layout()
+    x, c = randn(N, L_Q, D, seed=22), randn(N, L_K, D, seed=23)
+    kw = {"self": {}, "context": {}, "causal-stages": {"causal": True,
+                                                       "return_intermediates": True},
+          "padding-mask-weights": {"key_padding_mask": randn(N, L_K, seed=24) > 0.5,
+                                   "mask": randn(N, L_Q, L_K, seed=25) > -0.5,
+                                   "need_weights": True}}[call]
+    context = None if call in ("self", "causal-stages") else c
+    ours = sf(_t(x), None if context is None else _t(context), **kw)
+    want = bf(x, context, **kw)
+    if not isinstance(want, tuple):
+        ours, want = (ours,), (want,)
+    assert ours[0].shape == (L_Q, N, D) and _close(_t(ours[0]), want[0])
+    if len(want) > 1:
+        rest = want[1] if isinstance(want[1], dict) else {"A": want[1]}
+        got = ours[1] if isinstance(ours[1], dict) else {"A": ours[1]}
+        assert all(_close(got[k], rest[k]) for k in rest if k != "Y")
+
+
+def test_batch_first_false_decodes_with_a_cache_and_converts_both_ways():
+    bf, sf = _pair_by_layout(causal=True, rope="half")
+    x = randn(N, L_K, D, seed=26)
+    cache = KVCache()
+    with torch.no_grad():
+        steps = [sf(_t(x[:, :3]), cache=cache)] + [sf(_t(x[:, t:t + 1]), cache=cache)
+                                                   for t in range(3, L_K)]
+        assert _close(_t(torch.cat(steps, 0)), bf(x))
+    plain = _pair_by_layout()[1]
+    mha = plain.to_torch()
+    assert mha.batch_first is False and MultiHeadAttention.from_torch(mha).batch_first is False
+    with torch.no_grad():
+        assert _close(mha(_t(x), _t(x), _t(x), need_weights=False)[0], plain(_t(x)))
+    assert "batch_first=False" in repr(plain) and "batch_first" not in repr(bf)
+
+
+def test_a_layer_pickled_before_batch_first_runs_batch_first():
+    layer = _layer(seed=27)
+    vars(layer).pop("batch_first")  # as torch.load gives back a layer saved before the option
+    x = randn(N, L_Q, D, seed=28)
+    assert layer.batch_first and _close(layer(x), _layer(seed=27)(x))
+
+
+def _torch_state(**options) -> dict:
+    return nn.MultiheadAttention(D, H, dtype=F64, **options).state_dict()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("options, keys", [
+    ({}, "in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias"),
+    ({"bias": False}, "in_proj_weight, out_proj.weight"),
+    ({"kdim": 7, "vdim": 7}, "in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight, "
+                             "out_proj.weight, out_proj.bias"),
+], ids=["fused", "no-bias", "kdim"])
+def test_load_state_dict_of_nn_multihead_attention_points_to_from_torch(options, keys, strict):
+    """torch's keys gave only torch's missing/unexpected-key error, or with strict=False
+    loaded nothing and said nothing."""
+    layer = _layer(seed=29)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(EinattnError, match=rf"this is nn.MultiheadAttention's state dict "
+                                           rf"\({keys}\), not einattn's \(W, W_O, b, b_O\): "
+                                           rf"load it into the nn.MultiheadAttention it came "
+                                           rf"from and convert that module with "
+                                           rf"MultiHeadAttention.from_torch\(mha\)"):
+        layer.load_state_dict(_torch_state(**options), strict=strict)
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+
+def test_a_torch_state_dict_inside_a_model_is_named_by_its_prefix():
+    model = nn.ModuleDict({"attn": _layer(seed=30)})
+    torch_state = {f"attn.{k}": v for k, v in _torch_state().items()}
+    with pytest.raises(EinattnError, match=r"\(attn.in_proj_weight, .*\), not einattn's "
+                                           r"\(attn.W, attn.W_O, attn.b, attn.b_O\)"):
+        model.load_state_dict(torch_state)
+
+
+def test_einattn_state_dicts_load_strict_and_not():
+    source, target = _layer(seed=31), _layer(seed=32)
+    target.load_state_dict(source.state_dict())
+    assert all(torch.equal(a, b)
+               for a, b in zip(target.parameters(), source.parameters(), strict=True))
+    partial = {k: v for k, v in _layer(seed=33).state_dict().items() if k != "b_O"}
+    result = target.load_state_dict({**partial, "extra": torch.ones(1)}, strict=False)
+    assert result.missing_keys == ["b_O"] and result.unexpected_keys == ["extra"]
+    assert torch.equal(target.W, _layer(seed=33).W) and torch.equal(target.b_O, source.b_O)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"b_O\""):
+        target.load_state_dict(partial)
+
+
+IS_CAUSAL = r"is_causal is PyTorch's name; einattn's is causal \(got is_causal=True\): pass " \
+            r"causal=True, which aligns the causal mask bottom-right where L_q ≠ L_k"
+
+
+@pytest.mark.parametrize("call", [
+    lambda: _layer()(randn(N, L_Q, D, seed=34), is_causal=True),
+    lambda: F.attention(*(randn(N, H, L_Q, 6, seed=35),) * 3, is_causal=True),
+    lambda: F.multi_head_attention(randn(N, L_Q, D, seed=36), torch.ones(90, D, dtype=F64),
+                                   torch.ones(H, 6, D, dtype=F64), n_heads=H, is_causal=True),
+], ids=["layer", "attention", "multi_head_attention"])
+def test_is_causal_is_refused_with_einattns_name(call):
+    """It was a TypeError (an unexpected keyword) that named neither einattn's word nor how
+    einattn aligns it."""
+    with pytest.raises(EinattnError, match=IS_CAUSAL):
+        call()

@@ -245,6 +245,9 @@ def gather_heads_and_projections(mesh):
             assert torch.equal(getattr(plain, name), getattr(ref, name)), name
     for a, b in zip(lay.projections(), ref.projections(), strict=True):
         assert torch.equal(a, b)
+    lay.batch_first = False  # kept by the gathered layer
+    assert plain.batch_first and par.gather_heads(lay).batch_first is False
+    lay.batch_first = True
     call = inputs("causal")
     errors = {"Y": scaled_error(run(plain, call), run(ref, call))}
     torch.manual_seed(0)  # to_torch needs μ·a = d_model

@@ -94,6 +94,18 @@ def _torch_call(mha: nn.MultiheadAttention, x: torch.Tensor, context: torch.Tens
     return Y.transpose(0, 1), A
 
 
+def _einattn_call(layer: MultiHeadAttention, x: torch.Tensor, context: torch.Tensor | None,
+                  **kw):
+    """Call the layer in its own layout, as torch is called: sequence-first where
+    ``from_torch`` kept ``batch_first=False``; return batch-first Y (and what comes with it)."""
+    if layer.batch_first:
+        return layer(x, context, **kw)
+    out = layer(x.transpose(0, 1), None if context is None else context.transpose(0, 1), **kw)
+    Y = out[0] if isinstance(out, tuple) else out
+    assert Y.shape[:2] == (x.shape[1], x.shape[0])  # (L, n, d_model), as torch gives it
+    return (Y.transpose(0, 1), *out[1:]) if isinstance(out, tuple) else Y.transpose(0, 1)
+
+
 def _einattn_grads_in_torch_layout(layer: MultiHeadAttention) -> dict[str, torch.Tensor]:
     n_heads = layer.n_heads
     out = {"in_proj_weight": layouts.to_bma(layer.W.grad, n_heads=n_heads),
@@ -196,8 +208,9 @@ def test_matches_nn_multihead_attention(name, bias, batch_first, dtype):
     inputs = [x] if c is None else [x, c]
     ours_in = [t.clone().requires_grad_() for t in inputs]
     theirs_in = [t.clone().requires_grad_() for t in inputs]
-    out = layer(ours_in[0], ours_in[1] if c is not None else None, mask=mask,
-                key_padding_mask=kpm, causal=bool(case.get("causal")), need_weights=need_weights)
+    out = _einattn_call(layer, ours_in[0], ours_in[1] if c is not None else None, mask=mask,
+                        key_padding_mask=kpm, causal=bool(case.get("causal")),
+                        need_weights=need_weights)
     Y, A = out if need_weights else (out, None)
     Y_t, A_t = _torch_call(mha, theirs_in[0], theirs_in[1] if c is not None else None,
                            attn_mask=torch_mask, key_padding_mask=torch_kpm,
@@ -335,8 +348,9 @@ def test_random_table_matches_nn_multihead_attention(seed):
     inputs = [x] if c is None else [x, c]
     ours_in = [t.clone().requires_grad_() for t in inputs]
     theirs_in = [t.clone().requires_grad_() for t in inputs]
-    Y, stages = layer(ours_in[0], ours_in[1] if c is not None else None, mask=mask,
-                      key_padding_mask=kpm, causal=case["causal"], return_intermediates=True)
+    Y, stages = _einattn_call(layer, ours_in[0], ours_in[1] if c is not None else None,
+                              mask=mask, key_padding_mask=kpm, causal=case["causal"],
+                              return_intermediates=True)
     A = stages["A"]
     Y_t, A_t = _torch_call(mha, theirs_in[0], theirs_in[1] if c is not None else None,
                            attn_mask=torch_mask, key_padding_mask=torch_kpm,

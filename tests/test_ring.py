@@ -171,6 +171,10 @@ def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
         "head-parallel": (lambda: par.shard_sequence(
             par.shard_heads(make_layer("", "chunked"), mesh), mesh),
             r"already sharded by heads over a mesh of size"),
+        "sequence first": (lambda: par.shard_sequence(
+            MultiHeadAttention(8, 2, batch_first=False), mesh),
+            r"shard_sequence cuts the tokens along dim 1 of x \(n, L, d_model\): build the "
+            r"layer with batch_first=True"),
         "bad layout": (lambda: par.shard_sequence(make_layer("", "chunked"), mesh,
                                                   layout="striped"),
                        r"layout must be one of 'zigzag', 'contiguous', got 'striped'"),

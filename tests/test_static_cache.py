@@ -115,3 +115,44 @@ def test_bad_input_raises_einattn_error(name):
     call, match = ERRORS[name]
     with pytest.raises(EinattnError, match=match):
         call()
+
+
+def test_a_compiled_step_past_max_length_gives_nan_and_the_next_eager_call_says_so():
+    """A compiled step cannot refuse a call past max_length without reading f back from the
+    device: it used to fail in index_copy_ (an IndexError here; on CUDA a device-side
+    assert, which ends the process's CUDA context). It writes at the last position now,
+    its values NaN, so its outputs are NaN; the next eager call refuses; reset() clears it."""
+    torch._dynamo.reset()  # a fresh count of compilations of the layer's forward
+    layer, x = decoder("einsum"), randn(N, L, D, seed=12)
+    step = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=False)
+    cache = StaticKVCache(max_length=4)
+    with torch.no_grad():
+        decode(step, x[:, :4], cache)  # full
+        past = step(x[:, 4:5], cache=cache)
+    assert torch.isnan(past).all() and len(cache) == 5
+    with pytest.raises(EinattnError, match=r"a compiled call went past max_length=4 \(5 "
+                                           r"positions counted\): its values were written as "
+                                           r"NaN at the last position.*call cache.reset\(\)"):
+        layer(x[:, 5:6], cache=cache)
+    cache.reset()
+    assert_close_scaled(decode(step, x[:, :4], cache), layer(x[:, :4]), TOL[F64])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_refusal_known_when_tracing_names_what_is_refused(fullgraph):
+    """Under torch.compile the refusals that need no count (a call longer than max_length,
+    a mask, positions, ...) raise while Dynamo traces: without fullgraph Dynamo runs the
+    call eagerly and the EinattnError itself comes out; with fullgraph=True Dynamo wraps it
+    (torch._dynamo.exc.Unsupported, "Observed exception") with einattn's message inside.
+    Either way the cache is untouched (docs/variants.md says so)."""
+    torch._dynamo.reset()  # Dynamo runs a frame that raised without fullgraph eagerly after
+    step = torch.compile(decoder("einsum"), backend="aot_eager", fullgraph=fullgraph,
+                         dynamic=False)
+    cache = StaticKVCache(max_length=4)
+    raised = torch._dynamo.exc.Unsupported if fullgraph else EinattnError
+    with pytest.raises(raised, match=r"a call of 5 positions does not fit a StaticKVCache of "
+                                     r"max_length=4"):
+        step(randn(N, 5, D, seed=13), cache=cache)
+    assert len(cache) == 0 and cache.K is None
+    torch._dynamo.reset()

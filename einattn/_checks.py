@@ -1,0 +1,92 @@
+"""Checks of the options that the functional form and the layer both take: each says what
+the option means and what it got."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import EinattnError
+
+IMPLS = ("einsum", "sdpa", "chunked", "flex")
+
+
+def check_impl(impl: str) -> str:
+    """``impl`` itself, once it is known to name one of :data:`IMPLS`."""
+    if impl not in IMPLS:
+        raise EinattnError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    return impl
+
+
+def check_scale(scale) -> float:
+    """``scale`` itself, once it is known to be a finite positive number."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not 0 < scale < math.inf:
+        raise EinattnError(f"scale (s in S = s · Q K, 1/√a by default) must be a finite "
+                           f"positive number, got {scale!r}")
+    return scale
+
+
+def check_positive_int(name: str, value) -> int:
+    """``value`` itself, once it is known to be an int ≥ 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EinattnError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_dropout(dropout) -> float:
+    """``dropout`` itself, once it is known to be a probability in ``[0, 1)``."""
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
+            or not 0.0 <= dropout < 1.0:
+        raise EinattnError(f"dropout (the probability that a weight A[n μ τ σ] is zeroed) must "
+                           f"be a number in [0, 1), got {dropout!r}")
+    return dropout
+
+
+def check_block_size(block_size) -> int:
+    """``block_size`` itself, once it is known to be a positive int."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise EinattnError(f"block_size (the number of queries τ and of keys σ per tile) must "
+                           f"be a positive int, got {block_size!r}")
+    return block_size
+
+
+def check_options(impl: str, dropout: float, block_size: int, is_causal=None) -> None:
+    """The options of equations (2)–(4) that every call takes: impl, dropout, block size
+    (and no ``is_causal``)."""
+    check_impl(impl)
+    check_dropout(dropout)
+    check_block_size(block_size)
+    refuse_is_causal(is_causal)
+
+
+def refuse_is_causal(is_causal) -> None:
+    """``is_causal`` is PyTorch's name (``F.scaled_dot_product_attention``,
+    ``nn.MultiheadAttention``); einattn has one name for it, ``causal``."""
+    if is_causal is not None:
+        raise EinattnError(f"is_causal is PyTorch's name; einattn's is causal (got "
+                           f"is_causal={is_causal!r}): pass causal=True, which aligns the "
+                           f"causal mask bottom-right where L_q ≠ L_k")
+
+
+def check_floating(name: str, t) -> None:
+    """``t`` (where it is a tensor) holds floating-point numbers, as attention needs."""
+    if isinstance(t, torch.Tensor) and not t.is_floating_point():
+        raise EinattnError(f"{name} is {t.dtype}: attention runs on floating-point tensors "
+                           f"(float16, bfloat16, float32, float64); convert with .to()")
+
+
+def check_factory(device, dtype) -> dict:
+    """The layer's ``device`` and ``dtype`` keywords, once the weights can be made with them:
+    a floating-point dtype (a gradient needs one) and a device torch knows."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise EinattnError(f"dtype (the layer's weights') must be a floating-point torch.dtype "
+                           f"(torch.float32, torch.bfloat16, ...), got {dtype!r}")
+    try:
+        if device is not None:
+            torch.device(device)
+    except (RuntimeError, TypeError):
+        raise EinattnError(f"device must be a torch.device, its name or its index ('cpu', "
+                           f"'cuda:0', 0, ...), got {device!r}") from None
+    return {"device": device, "dtype": dtype}
