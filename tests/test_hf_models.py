@@ -186,7 +186,7 @@ def test_register_is_idempotent_and_capture_refuses_other_implementations():
     fresh = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="einattn")
     assert fresh.config._attn_implementation == "einattn"
     model, _ = _model("llama")
-    with pytest.raises(EinattnError, match=r"capture needs a model loaded with an einattn "
+    with pytest.raises(EinattnError, match=r"LlamaForCausalLM is not loaded with an einattn "
                                            r"attention implementation .* got "
                                            r"attn_implementation='sdpa'"):
         with hf.capture(model):
@@ -217,3 +217,137 @@ def test_a_term_einattn_does_not_have_is_refused_by_name():
                                            r"attention position_bias, a term einattn's "
                                            r"equations do not have"):
         hf._FORWARDS["einsum"](attention, Q, K, K, None, position_bias=torch.zeros(1))
+
+
+# -- which architectures run einattn at all ---------------------------------------------------
+
+TINY = {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4, **SMALL}
+NO_HEAD_DIM = {k: v for k, v in LLAMA_LIKE.items() if k != "head_dim"}
+ROUTES, IGNORES = "routes", "ignores"  # and the error HF raises where it is neither
+ARCHITECTURES = {  # model_type -> (name in docs/huggingface.md, config, the model's fate):
+    # ROUTES: every layer calls the function registered under config._attn_implementation;
+    # IGNORES: it loads and computes attention itself; "KeyError": its own table of attention
+    # classes refuses the name at load; "AttributeError": its forward reads the mask that
+    # the name's mask function (HF's sdpa_mask) leaves out
+    "gpt2": ("GPT-2", MODELS["gpt2"][0], ROUTES),
+    "llama": ("Llama", MODELS["llama"][0], ROUTES),
+    "mistral": ("Mistral", MODELS["mistral"][0], ROUTES),
+    "qwen2": ("Qwen2", MODELS["qwen2"][0], ROUTES),
+    "gemma": ("Gemma", lambda: transformers.GemmaConfig(**LLAMA_LIKE), ROUTES),
+    "gemma2": ("Gemma 2", MODELS["gemma2"][0], ROUTES),
+    "stablelm": ("StableLM", lambda: transformers.StableLmConfig(**NO_HEAD_DIM), ROUTES),
+    "glm": ("GLM", lambda: transformers.GlmConfig(pad_token_id=0, **LLAMA_LIKE), ROUTES),
+    "qwen3": ("Qwen3", lambda: transformers.Qwen3Config(**LLAMA_LIKE), ROUTES),
+    "gpt_oss": ("gpt-oss", MODELS["gpt_oss"][0], ROUTES),
+    "phi": ("Phi", lambda: transformers.PhiConfig(**NO_HEAD_DIM), ROUTES),
+    "gpt_neox": ("GPT-NeoX", lambda: transformers.GPTNeoXConfig(intermediate_size=32, **TINY),
+                 ROUTES),
+    "opt": ("OPT", lambda: transformers.OPTConfig(ffn_dim=32, word_embed_proj_dim=24, **TINY),
+            ROUTES),
+    "bloom": ("BLOOM", lambda: transformers.BloomConfig(vocab_size=50, hidden_size=24,
+                                                        n_layer=2, n_head=4), IGNORES),
+    "falcon": ("Falcon", lambda: transformers.FalconConfig(**TINY), "KeyError"),
+    "gpt_neo": ("GPT-Neo", lambda: transformers.GPTNeoConfig(
+        vocab_size=50, hidden_size=24, num_layers=2, num_heads=4, window_size=4,
+        attention_types=[[["global", "local"], 1]], max_position_embeddings=64), "KeyError"),
+    "mpt": ("MPT", lambda: transformers.MptConfig(vocab_size=50, d_model=24, n_layers=2,
+                                                  n_heads=4, max_seq_len=64), "AttributeError"),
+}
+SPIED = []  # the attention modules that called the spy, HF's interface's function
+
+
+def _spy(module, *args, **kwargs):
+    """An attention function registered with HF's interface (einattn's equations inside):
+    whether a model calls it is Hugging Face's fact, observed without einattn.hf.check."""
+    SPIED.append(module)
+    return hf._FORWARDS["einsum"](module, *args, **kwargs)
+
+
+def _load(name: str, implementation: str):
+    """A tiny float32 model of this architecture with ``implementation``."""
+    extra = {"experts_implementation": "eager"} if name == "gpt_oss" else {}
+    return transformers.AutoModelForCausalLM.from_config(
+        ARCHITECTURES[name][1](), attn_implementation=implementation, **extra).eval()
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_check_says_where_hfs_attention_interface_is_called(name):
+    """Each architecture's fate under a registered name (a spy's: HF's own behaviour), and
+    einattn.hf.check, capture and layer on it: an architecture that calls the interface runs
+    einattn in every layer; one that does not is refused by name, never ignored silently."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    hf.register()
+    AttentionInterface.register("spy", _spy)
+    AttentionMaskInterface.register("spy", sdpa_mask)
+    fate, ids = ARCHITECTURES[name][2], _batch()[0]
+    SPIED.clear()
+    with torch.no_grad():
+        if fate == "KeyError":  # HF raises in the model's __init__: einattn cannot intercept
+            with pytest.raises(KeyError, match="spy"):
+                _load(name, "spy")
+        elif fate == "AttributeError":
+            with pytest.raises(AttributeError):
+                _load(name, "spy")(ids)
+        else:  # ROUTES, IGNORES
+            _load(name, "spy")(ids)
+    assert len(SPIED) == (2 if fate == ROUTES else 0)  # 2 layers
+    model = _load(name, "eager" if fate == "KeyError" else "einattn")
+    if fate == ROUTES:
+        assert hf.check(model) == "einattn"
+        with hf.capture(model) as stages, torch.no_grad():
+            model(ids)
+        assert sorted(stages) == [0, 1]
+        return
+    model.set_attn_implementation("einattn")  # HF only warns, and keeps the model's own
+    who = rf"{type(model).__name__} \(model_type '{name}'\) computes attention in its own code"
+    with pytest.raises(EinattnError, match=who + r", not through Hugging Face's attention "
+                                                 r"interface \(transformers\.models\..*"
+                                                 r"never calls ALL_ATTENTION_FUNCTIONS"):
+        hf.check(model)
+    with pytest.raises(EinattnError, match=who):
+        with hf.capture(model):
+            pass
+    with pytest.raises(EinattnError, match=rf"einattn.hf.layer knows .*got "
+                                           rf"{type(model).__name__} \(model_type '{name}'\)"):
+        hf.layer(model)
+
+
+def test_the_docs_list_the_architectures_checked():
+    """docs/huggingface.md's table: those that run einattn, and those refused."""
+    from pathlib import Path
+    page = (Path(__file__).parent.parent / "docs" / "huggingface.md").read_text()
+    row = page.split("| --- | --- |\n", 1)[1].split("\n", 1)[0]
+    routes, refused = ([n.strip() for n in cell.split(",")] for cell in row.strip("| ").split("|"))
+    assert routes == [shown for shown, _, fate in ARCHITECTURES.values() if fate == ROUTES]
+    assert refused == [shown for shown, _, fate in ARCHITECTURES.values() if fate != ROUTES]
+
+
+def test_capture_refuses_on_exit_a_model_whose_attention_never_reached_einattn(monkeypatch):
+    """Where Hugging Face's reading of the source would be wrong (here made so: BLOOM's
+    classes said to call the interface), the forward inside capture shows it."""
+    hf.register()
+    model = _load("bloom", "einattn")
+    for cls in (type(model), type(model.transformer)):
+        monkeypatch.setattr(cls, "_can_set_attn_implementation", classmethod(lambda c: True))
+    with hf.capture(model) as stages:  # no forward inside: nothing to say
+        pass
+    with pytest.raises(EinattnError, match=r"BloomForCausalLM \(model_type 'bloom'\) ran "
+                                           r"inside einattn.hf.capture, but none of its "
+                                           r"attention calls reached einattn"):
+        with hf.capture(model) as stages, torch.no_grad():
+            model(_batch()[0])
+    assert stages == {}
+    with pytest.raises(RuntimeError, match="the body's own"):  # not replaced by capture's
+        with hf.capture(model), torch.no_grad():
+            model(_batch()[0])
+            raise RuntimeError("the body's own")
+
+
+def test_check_refuses_what_is_not_a_model():
+    with pytest.raises(EinattnError, match=r"einattn.hf.check takes a Hugging Face model "
+                                           r"\(an nn.Module\), got str"):
+        hf.check("gpt2")
+    with pytest.raises(EinattnError, match=r"Linear is not loaded with an einattn attention "
+                                           r"implementation .* got attn_implementation=None"):
+        hf.check(torch.nn.Linear(2, 2))
