@@ -254,10 +254,8 @@ def _forward(impl: str, module, query, key, value, attention_mask, dropout: floa
     if attention_mask is not None and L_q != key.shape[2]:
         window = None  # HF's mask has it, at positions a cache may not align bottom-right
     terms = functional._terms(window, kwargs.get("softcap"), False, kwargs.get("s_aux"), None)
-    # "einattn" returns A as HF's eager does (some models, GPT-2, keep output_attentions
-    # to themselves); the others where it is asked for or captured
-    seen = impl == "einsum" or bool(kwargs.get("output_attentions")) \
-        or _capturing.stages is not None
+    # "einattn" returns A as HF's eager does; the others where it is asked for or captured
+    seen = impl == "einsum" or _weights_asked(module, kwargs) or _capturing.stages is not None
     stages = paths.run(functional._scaled(query, scaling), key, value, None, attention_mask,
                        bool(causal) and attention_mask is None, terms, dropout, impl, 256, seen)
     if _capturing.stages is not None:
@@ -265,6 +263,14 @@ def _forward(impl: str, module, query, key, value, attention_mask, dropout: floa
         _capturing.stages[getattr(module, "layer_idx", len(_capturing.stages))] = {
             "Q": query, "K": key, "V": value, **stages}
     return stages["Z"].transpose(1, 2).contiguous(), stages.get("A") if seen else None
+
+
+def _weights_asked(module, kwargs: dict) -> bool:
+    """Whether the model collects the weights ``A``: the call's ``output_attentions``, which
+    the Llama family hands its attention, else its config's (GPT-2 keeps the call's to itself,
+    and Hugging Face gathers ``A`` from the module's output, asking the function nothing)."""
+    config = getattr(module, "config", None)
+    return bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False)))
 
 
 _UNREAD = ("position_bias", "head_mask")  # what some models pass that einattn cannot apply

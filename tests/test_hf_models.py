@@ -162,6 +162,30 @@ def test_output_attentions_and_capture_give_eagers_weights(name):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+def test_config_output_attentions_gives_the_weights_on_every_name(name):
+    """``config.output_attentions=True`` (set while the config is eager, as Hugging Face's
+    setter requires, then the einattn name chosen): every name returns eager's weights, which
+    keep their gradient (HF's test_retain_grad_hidden_states_attentions)."""
+    model, _ = _model(name)
+    ids = _batch()[0]
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model(ids, output_attentions=True).attentions
+    model.config.output_attentions = True
+    for impl in _impls(name):
+        model.set_attn_implementation(impl)
+        with torch.set_grad_enabled(impl != "einattn_flex"):  # flex: forward only on a CPU
+            got = model(ids).attentions
+        assert len(got) == 2, impl
+        for A, A_eager in zip(got, want, strict=True):
+            assert (A - A_eager).abs().max() < 1e-7, impl
+        if impl != "einattn_flex":
+            got[0].retain_grad()
+            got[-1].sum().backward()  # through layer 1 back to layer 0's weights
+            assert got[0].grad is not None and torch.isfinite(got[0].grad).all(), impl
+
+
+@pytest.mark.parametrize("name", list(MODELS))
 def test_every_parameters_gradient_is_hfs(name):
     model, reference = _model(name)
     ids, mask, positions = _batch()
@@ -177,6 +201,38 @@ def test_every_parameters_gradient_is_hfs(name):
     scale = grads[reference].abs().max()
     for impl in ("einattn", "einattn_chunked"):
         assert (grads[impl] - grads[reference]).abs().max() <= MODELS[name][2] * scale
+
+
+def _gpt2_grads(dropout: float, implementation: str, checkpointing: bool) -> torch.Tensor:
+    """Every parameter's gradient of a GPT-2 with attention dropout alone (attn_pdrop),
+    one training step after ``torch.manual_seed(5)``."""
+    config = MODELS["gpt2"][0]()
+    config.attn_pdrop = dropout
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=F64, attn_implementation=implementation).train()
+    if checkpointing:  # HF's test_training_gradient_checkpointing: the forward runs twice
+        getattr(model, "activation_checkpointing_enable",  # the newer name
+                model.gradient_checkpointing_enable)()
+    ids, mask, positions = _batch()
+    torch.manual_seed(5)
+    model(ids, attention_mask=mask, position_ids=positions, labels=ids).loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_gpt2_trains_on_chunked_with_attention_dropout_and_checkpointing():
+    """attn_pdrop=0.1 on "einattn_chunked" (HF's test_training): a gradient that the dropout
+    changes, and that gradient checkpointing, which recomputes each layer's forward with
+    torch's generator restored, reproduces (the tiles' masks drawn again the same)."""
+    hf.register()
+    grads = _gpt2_grads(0.1, "einattn_chunked", checkpointing=False)
+    assert torch.isfinite(grads).all()
+    again = _gpt2_grads(0.1, "einattn_chunked", checkpointing=True)
+    assert (again - grads).abs().max() <= 1e-12 * grads.abs().max()
+    undropped = _gpt2_grads(0.0, "einattn_chunked", checkpointing=False)
+    assert (undropped - _gpt2_grads(0.0, "sdpa", checkpointing=False)).abs().max() \
+        <= 1e-12 * undropped.abs().max()
+    assert (grads - undropped).abs().max() > 1e-3 * undropped.abs().max()
 
 
 def test_register_is_idempotent_and_capture_refuses_other_implementations():
