@@ -266,11 +266,27 @@ def _forward(impl: str, module, query, key, value, attention_mask, dropout: floa
 
 
 def _weights_asked(module, kwargs: dict) -> bool:
-    """Whether the model collects the weights ``A``: the call's ``output_attentions``, which
-    the Llama family hands its attention, else its config's (GPT-2 keeps the call's to itself,
-    and Hugging Face gathers ``A`` from the module's output, asking the function nothing)."""
+    """Whether the model collects the weights ``A`` from this call: its ``output_attentions``
+    (the call's, which the Llama family hands its attention, else the config's), or Hugging
+    Face gathering "attentions" from the module's output in this forward (what GPT-2's
+    ``model(..., output_attentions=True)`` asks, telling its attention nothing)."""
     config = getattr(module, "config", None)
-    return bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False)))
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        return True
+    collector = _output_collector()
+    collected = None if collector is None else collector.get()
+    return collected is not None and "attentions" in collected
+
+
+@functools.cache
+def _output_collector():
+    """Hugging Face's record of the outputs the running forward gathers (private, in
+    ``transformers.utils.output_capturing``), or None in a version that keeps it elsewhere."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
 
 
 _UNREAD = ("position_bias", "head_mask")  # what some models pass that einattn cannot apply

@@ -11,6 +11,8 @@ largest logit).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -161,28 +163,60 @@ def test_output_attentions_and_capture_give_eagers_weights(name):
         assert torch.equal(stages[layer]["A"], A)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_config_output_attentions_gives_the_weights_on_every_name(name):
-    """``config.output_attentions=True`` (set while the config is eager, as Hugging Face's
-    setter requires, then the einattn name chosen): every name returns eager's weights, which
-    keep their gradient (HF's test_retain_grad_hidden_states_attentions)."""
-    model, _ = _model(name)
-    ids = _batch()[0]
+def _eagers_weights(model, ids):
     model.set_attn_implementation("eager")
     with torch.no_grad():
-        want = model(ids, output_attentions=True).attentions
-    model.config.output_attentions = True
+        return model(ids, output_attentions=True).attentions
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_output_attentions_gives_the_weights_on_every_name(name):
+    """``output_attentions=True`` in the call (GPT-2 keeps it from its attention: einattn
+    reads what Hugging Face gathers), then ``config.output_attentions=True`` (set while the
+    config is eager, as Hugging Face's setter requires, then the einattn name chosen): every
+    name returns eager's weights, which keep their gradient (HF's
+    test_retain_grad_hidden_states_attentions)."""
+    model, _ = _model(name)
+    ids = _batch()[0]
+    want = _eagers_weights(model, ids)
     for impl in _impls(name):
+        model.set_attn_implementation("eager")
+        model.config.output_attentions = False
         model.set_attn_implementation(impl)
         with torch.set_grad_enabled(impl != "einattn_flex"):  # flex: forward only on a CPU
+            asked = model(ids, output_attentions=True).attentions
+            model.set_attn_implementation("eager")
+            model.config.output_attentions = True
+            model.set_attn_implementation(impl)
             got = model(ids).attentions
-        assert len(got) == 2, impl
-        for A, A_eager in zip(got, want, strict=True):
-            assert (A - A_eager).abs().max() < 1e-7, impl
+        assert len(asked) == len(got) == 2, impl
+        for A_asked, A_config, A_eager in zip(asked, got, want, strict=True):
+            assert (A_asked - A_eager).abs().max() < 1e-7, impl
+            assert (A_config - A_eager).abs().max() < 1e-7, impl
         if impl != "einattn_flex":
             got[0].retain_grad()
             got[-1].sum().backward()  # through layer 1 back to layer 0's weights
             assert got[0].grad is not None and torch.isfinite(got[0].grad).all(), impl
+
+
+def test_without_hfs_record_of_outputs_the_flags_still_ask(monkeypatch):
+    """Where transformers keeps no ``output_capturing._active_collector`` (another
+    version), the call's and the config's flags still ask for ``A`` (Llama hands the call's
+    to its attention)."""
+    model, _ = _model("llama")
+    ids = _batch()[0]
+    want = _eagers_weights(model, ids)
+    hf._output_collector.cache_clear()
+    monkeypatch.setitem(sys.modules, "transformers.utils.output_capturing", None)
+    try:
+        assert hf._output_collector() is None
+        model.set_attn_implementation("einattn_chunked")
+        with torch.no_grad():
+            got = model(ids, output_attentions=True).attentions
+    finally:
+        hf._output_collector.cache_clear()
+    assert len(got) == 2
+    assert all((A - B).abs().max() < 1e-7 for A, B in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
