@@ -28,6 +28,10 @@ tile of at most ``SPAN · block_size²`` numbers per head (neighbouring tiles of
 queries run as one product): nothing of ``L_q × L_k`` elements, nor of ``L_q × block_size``. See
 docs/chunked.md.
 
+Attention dropout (``dropout > 0`` in :func:`attend`) multiplies each tile's ``P`` by a mask
+``R`` drawn per tile from a seed, after RUNNING_SUM, and the backward draws the same ``R``
+again (:mod:`einattn._tile_dropout`).
+
 A query row with no admissible key keeps ``m = −∞`` and ``l = 0``: its ``Z`` is exact
 zeros and its ``lse`` is ``−∞`` (an empty sum), which the backward pass reads as ``+∞``
 (:func:`for_backward`), so that it recomputes ``P = 0`` there. No finite sentinel stands in
@@ -45,6 +49,7 @@ again: correct, at O(L_q·L_k) memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as _F
@@ -53,6 +58,7 @@ from . import _autocast, _softmax
 from . import functional as _functional  # not `from .functional import`: paths imports us
 from . import masks as _masks
 from . import patterns as _patterns
+from ._tile_dropout import TileDropout
 from .errors import EinattnError
 from .notation import Equation
 
@@ -108,30 +114,48 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     return attend(Q, K, V, mask, pattern, block_size)
 
 
-def attend(Q, K, V, mask, pattern: _patterns.Pattern, block_size: int) -> torch.Tensor:
+def attend(Q, K, V, mask, pattern: _patterns.Pattern, block_size: int,
+           dropout: float = 0.0) -> torch.Tensor:
     """:func:`attention` once its arguments are known good (``mask`` as ``as_nmts`` makes
-    it), as :mod:`einattn.paths` calls it. Without a graph to record (``no_grad``, a
-    decoding step) the forward runs alone, outside the ``autograd.Function``; autocast is
-    switched off around the tiles only where it is on (the switch costs ~15 µs a call)."""
+    it), as :mod:`einattn.paths` calls it, with ``dropout`` on the weights ``A`` drawn per
+    tile (:mod:`einattn._tile_dropout`; pass 0 outside training). Without a graph to record
+    (``no_grad``, a decoding step) the forward runs alone, outside the ``autograd.Function``;
+    autocast is switched off around the tiles only where it is on (the switch costs ~15 µs
+    a call)."""
     low = _autocast.dtype(Q.device)
     if low is not None:  # Q, K, V in autocast's dtype, as SDPA is cast there
         Q, K, V = Q.to(low), K.to(low), V.to(low)
     if _softmax.transformed():  # no vmap or jvp rule for the Function below
+        if dropout:
+            raise EinattnError(f"impl='chunked' draws its dropout (got dropout={dropout}) per "
+                               f"tile, which torch.func's transforms cannot run: use "
+                               f"impl='einsum' under them, whose F.dropout follows vmap's "
+                               f"randomness=")
         return _dense(Q, K, V, mask, pattern)
+    args = (Q, K, V, mask, pattern, _tile_side(pattern, block_size))
+    run = functools.partial(_run_dropping, dropout=dropout) if dropout else _run
     if low is None:
-        return _run(Q, K, V, mask, pattern, _tile_side(pattern, block_size))
+        return run(*args)
     with torch.autocast(Q.device.type, enabled=False):  # the same numbers forward, backward
-        return _run(Q, K, V, mask, pattern, _tile_side(pattern, block_size))
+        return run(*args)
 
 
-def _run(Q, K, V, mask, pattern, block_size: int) -> torch.Tensor:
+@torch.compiler.disable
+def _run_dropping(Q, K, V, mask, pattern, block_size: int, dropout: float) -> torch.Tensor:
+    """:func:`_run` with dropout, outside ``torch.compile`` (a graph break): each call draws
+    a seed, which a graph would hold as a constant and recompile for."""
+    return _run(Q, K, V, mask, pattern, block_size, TileDropout.drawn(dropout))
+
+
+def _run(Q, K, V, mask, pattern, block_size: int,
+         drop: TileDropout | None = None) -> torch.Tensor:
     """Z by the ``autograd.Function`` where autograd records the call, else the forward."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (Q, K, V, mask, pattern.sinks)):
         apply = _Attention.apply if _TRACEABLE or not torch.compiler.is_compiling() \
             else _untraced_apply
-        return apply(Q, K, V, mask, pattern.sinks, pattern, block_size)
-    return _forward(Q, K, V, mask, pattern, block_size)[0]
+        return apply(Q, K, V, mask, pattern.sinks, pattern, block_size, drop)
+    return _forward(Q, K, V, mask, pattern, block_size, drop)[0]
 
 
 # Dynamo traces the Function below, backward included, into the graph. torch 2.11's traced
@@ -153,9 +177,16 @@ def _tile_side(pattern, block_size: int) -> int:
     return min(block_size, max(64, min(windows) // 2))
 
 
-def _dense(Q, K, V, mask, pattern) -> torch.Tensor:
-    """Equations (2g)–(4g) as written, which autograd differentiates to any order."""
-    return _functional._einsum_stages(Q, K, V, mask, pattern, 0.0, scratch=False)["Z"]
+def _dense(Q, K, V, mask, pattern, block_size: int = 0,
+           drop: TileDropout | None = None) -> torch.Tensor:
+    """Equations (2g)–(4g) as written, which autograd differentiates to any order; with
+    ``drop``, ``Z = (A ∘ R) V`` with the ``R`` the tiles of ``block_size`` draw."""
+    stages = _functional._einsum_stages(Q, K, V, mask, pattern, 0.0, scratch=False)
+    if drop is None:
+        return stages["Z"]
+    A = stages["A"]
+    R = drop.dense(_tiles(Q, K, pattern, block_size), A.shape, A.device, A.dtype)
+    return _functional.weighted_values(A * R, V)
 
 
 def check_block_size(block_size) -> int:
@@ -170,21 +201,21 @@ class _Attention(torch.autograd.Function):
     """Forward saves Q, K, V, Z, lse (the mask, the sinks); backward recomputes P per tile."""
 
     @staticmethod
-    def forward(ctx, Q, K, V, mask, sinks, pattern, block_size: int):
-        Z, lse = _forward(Q, K, V, mask, pattern, block_size)
+    def forward(ctx, Q, K, V, mask, sinks, pattern, block_size: int, drop):
+        Z, lse = _forward(Q, K, V, mask, pattern, block_size, drop)
         ctx.save_for_backward(Q, K, V, Z, for_backward(lse), mask, sinks)
-        ctx.pattern, ctx.block_size = pattern, block_size
+        ctx.pattern, ctx.block_size, ctx.drop = pattern, block_size, drop
         return Z
 
     @staticmethod
     def backward(ctx, dZ):
         Q, K, V, Z, lse, mask, sinks = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a backward that can be differentiated
-            return (*_dense_grads(ctx, Q, K, V, mask, sinks, dZ), None, None)
+            return (*_dense_grads(ctx, Q, K, V, mask, sinks, dZ), None, None, None)
         with torch.autocast(dZ.device.type, enabled=False):
             grads = _backward(Q, K, V, Z, lse, mask, dZ, ctx.pattern, ctx.block_size,
-                              mask_grad=ctx.needs_input_grad[3])
-        return *grads, None, None
+                              mask_grad=ctx.needs_input_grad[3], drop=ctx.drop)
+        return *grads, None, None, None
 
 
 _untraced_apply = torch.compiler.disable(_Attention.apply)
@@ -197,8 +228,8 @@ def _dense_grads(ctx, Q, K, V, mask, sinks, dZ):
     wanted = [t for t, need in zip(inputs, ctx.needs_input_grad, strict=False) if need]
     with torch.autocast(dZ.device.type, enabled=False):
         pattern = dataclasses.replace(ctx.pattern, sinks=sinks)  # the saved s[μ] itself
-        grads = iter(torch.autograd.grad(_dense(Q, K, V, mask, pattern), wanted, dZ,
-                                         create_graph=True))
+        Z = _dense(Q, K, V, mask, pattern, ctx.block_size, ctx.drop)
+        grads = iter(torch.autograd.grad(Z, wanted, dZ, create_graph=True))
     return [next(grads) if need else None
             for need in ctx.needs_input_grad[:5]]
 
@@ -246,6 +277,11 @@ def _spans(tiles, block_size: int) -> list:
     return merged
 
 
+def _tiles(Q, K, pattern, block_size: int) -> list:
+    """The tiles ``(τ0, τ1, σ0, σ1, partial)`` the forward and the backward visit."""
+    return _spans(pattern.tiles(Q.shape[2], K.shape[2], block_size), block_size)
+
+
 def _grid(Q, K, pattern):
     """The index grid the pattern's pieces read, or None where it has none."""
     if len(pattern.masks) + len(pattern.scores) == 0:
@@ -259,18 +295,18 @@ def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
     return rows if rows.shape[3] == 1 else rows[:, :, :, sigma]
 
 
-def _forward(Q, K, V, mask, pattern, block_size: int):
+def _forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None = None):
     """``(Z, lse)``: over the split keys for a few queries whose keys fit one wide tile
-    (a decoding step), over the tiles otherwise."""
+    (a decoding step), over the tiles otherwise (always with dropout: the backward's)."""
     L_q = Q.shape[2]
-    if 0 < L_q <= SPLIT_QUERIES:
+    if 0 < L_q <= SPLIT_QUERIES and drop is None:
         reach = _reach(pattern, L_q, K.shape[2])
         if L_q * (reach[1] - reach[0]) <= SPAN * block_size * block_size:
             return _split_forward(Q, K, V, mask, pattern, block_size, reach)
-    return _tiled_forward(Q, K, V, mask, pattern, block_size)
+    return _tiled_forward(Q, K, V, mask, pattern, block_size, drop)
 
 
-def _tiled_forward(Q, K, V, mask, pattern, block_size: int):
+def _tiled_forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None):
     n, n_heads, L_q, _ = Q.shape
     acc = _accumulator(Q.dtype)
     out_dtype, (Q, K, V) = Q.dtype, (t.to(acc) for t in (Q, K, V))  # tiles in ≥ float32
@@ -281,7 +317,7 @@ def _tiled_forward(Q, K, V, mask, pattern, block_size: int):
         l.copy_((pattern.sinks != -_INF)[:, None])  # exp(s_μ − m) = 1, or 0 for s_μ = −∞
     O = Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=acc)  # noqa: E741 unnormalised Z
     at = _grid(Q, K, pattern)
-    for tile in _spans(pattern.tiles(L_q, K.shape[2], block_size), block_size):
+    for tile in _tiles(Q, K, pattern, block_size):
         tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
         _, S = _tile_logits(Q, K, mask, pattern, at, tile, acc)
         m_old = m[:, :, tau]
@@ -290,6 +326,8 @@ def _tiled_forward(Q, K, V, mask, pattern, block_size: int):
         P = S.sub_(m_safe[..., None]).exp_()  # WEIGHTS, in S's memory (a tile, not two)
         c = RESCALE(m=m_old, m_new=m_safe)
         l[:, :, tau] = RUNNING_SUM(c=c, l=l[:, :, tau], P=P)
+        if drop is not None:  # after the sum: the denominator is not dropped
+            P.mul_(drop.weights(tile, P.shape, P.device, acc))
         O[:, :, tau] = RUNNING_VALUES(c=c, O=O[:, :, tau], P=P, V_b=V[:, :, sigma])
         m[:, :, tau] = m_new
     dead = l == 0  # no admissible key (or L_k = 0), no sink: Z = 0, lse = m + log 0 = −∞
@@ -363,7 +401,8 @@ def for_backward(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == -_INF, _INF)
 
 
-def _backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: bool):
+def _backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: bool,
+              drop: TileDropout | None = None):
     g = K.shape[1]
     acc, dtypes = _accumulator(Q.dtype), (Q.dtype, K.dtype, V.dtype)
     Q, K, V, Z, dZ = (t.to(acc) for t in (Q, K, V, Z, dZ))  # every tile in ≥ float32
@@ -371,13 +410,15 @@ def _backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad:
     dQ, dK, dV = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (Q, K, V))
     dM = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask_grad else None
     at = _grid(Q, K, pattern)
-    for tile in _spans(pattern.tiles(Q.shape[2], K.shape[2], block_size), block_size):
+    for tile in _tiles(Q, K, pattern, block_size):
         tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
         S, logits = _tile_logits(Q, K, mask, pattern, at, tile, acc)
         P = logits.sub_(lse[:, :, tau, None]).exp_()  # the forward's weights A, for this tile
         Q_t, dZ_t, K_b, V_b = Q[:, :, tau], dZ[:, :, tau], K[:, :, sigma], V[:, :, sigma]
-        dV[:, :, sigma] += VALUE_GRADS(P=P, dZ_t=dZ_t, g=g)
+        R = None if drop is None else drop.weights(tile, P.shape, P.device, acc)
+        dV[:, :, sigma] += VALUE_GRADS(P=P if R is None else P * R, dZ_t=dZ_t, g=g)
         dP = PROB_GRADS(dZ_t=dZ_t, V_b=V_b)
+        dP = dP if R is None else dP.mul_(R)  # through the dropout: dA = R ∘ (dZ V)
         dS = dP.sub_(D[:, :, tau, None]).mul_(P)  # dS = P ∘ (dP − D), in dP's memory
         if dM is not None:  # M is added to the logits, so dM = dS, summed where it broadcasts
             target = _mask_tile(dM, tau, sigma)

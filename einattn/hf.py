@@ -1,6 +1,7 @@
 """Hugging Face models through einattn: one attention module as an einattn layer
 (:func:`layer`), and whole models with einattn as their attention implementation
-(:func:`register`, :func:`capture`).
+(:func:`register`, :func:`capture`), where their architecture calls Hugging Face's attention
+interface (:func:`check`).
 
 ``layer(module)`` reads one attention module of a ``transformers`` model, its weights and
 its ``config``, and returns an equal :class:`~einattn.MultiHeadAttention`: its forward on
@@ -253,16 +254,39 @@ def _forward(impl: str, module, query, key, value, attention_mask, dropout: floa
     if attention_mask is not None and L_q != key.shape[2]:
         window = None  # HF's mask has it, at positions a cache may not align bottom-right
     terms = functional._terms(window, kwargs.get("softcap"), False, kwargs.get("s_aux"), None)
-    # "einattn" returns A as HF's eager does (some models, GPT-2, keep output_attentions
-    # to themselves); the others where it is asked for or captured
-    seen = impl == "einsum" or bool(kwargs.get("output_attentions")) \
-        or _capturing.stages is not None
+    # "einattn" returns A as HF's eager does; the others where it is asked for or captured
+    seen = impl == "einsum" or _weights_asked(module, kwargs) or _capturing.stages is not None
     stages = paths.run(functional._scaled(query, scaling), key, value, None, attention_mask,
                        bool(causal) and attention_mask is None, terms, dropout, impl, 256, seen)
     if _capturing.stages is not None:
+        _capturing.calls += 1
         _capturing.stages[getattr(module, "layer_idx", len(_capturing.stages))] = {
             "Q": query, "K": key, "V": value, **stages}
     return stages["Z"].transpose(1, 2).contiguous(), stages.get("A") if seen else None
+
+
+def _weights_asked(module, kwargs: dict) -> bool:
+    """Whether the model collects the weights ``A`` from this call: its ``output_attentions``
+    (the call's, which the Llama family hands its attention, else the config's), or Hugging
+    Face gathering "attentions" from the module's output in this forward (what GPT-2's
+    ``model(..., output_attentions=True)`` asks, telling its attention nothing)."""
+    config = getattr(module, "config", None)
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        return True
+    collector = _output_collector()
+    collected = None if collector is None else collector.get()
+    return collected is not None and "attentions" in collected
+
+
+@functools.cache
+def _output_collector():
+    """Hugging Face's record of the outputs the running forward gathers (private, in
+    ``transformers.utils.output_capturing``), or None in a version that keeps it elsewhere."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
 
 
 _UNREAD = ("position_bias", "head_mask")  # what some models pass that einattn cannot apply
@@ -271,9 +295,43 @@ _FORWARDS = {impl: functools.partial(_forward, impl) for impl in IMPLEMENTATIONS
 
 class _Capturing(threading.local):
     stages: dict | None = None
+    calls: int = 0  # attention calls recorded while capturing, on this thread
 
 
 _capturing = _Capturing()
+
+
+def check(model: nn.Module) -> str:
+    """The einattn implementation that every attention call of ``model`` runs through (one of
+    :data:`IMPLEMENTATIONS`), once it is known that they do; else an
+    :class:`~einattn.EinattnError` that says why einattn is not running there.
+
+    A model computes attention through einattn only where it calls Hugging Face's attention
+    interface (``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)``);
+    some architectures compute it in their own code (BLOOM, Falcon, GPT-Neo, MPT), and there
+    the name is ignored, or refused at load. Which do is read as Hugging Face itself reads it
+    (``PreTrainedModel._can_set_attn_implementation``: whether the modeling source's attention
+    classes call the interface), for the model and every model inside it. docs/huggingface.md
+    lists the architectures checked both ways.
+    """
+    if not isinstance(model, nn.Module):
+        raise EinattnError(f"einattn.hf.check takes a Hugging Face model (an nn.Module), got "
+                           f"{type(model).__name__}")
+    for module in model.modules():
+        routes = getattr(type(module), "_can_set_attn_implementation", None)
+        if routes is not None and not routes():
+            raise EinattnError(
+                f"{_describe(module)} computes attention in its own code, not through Hugging "
+                f"Face's attention interface ({type(module).__module__} never calls "
+                f"ALL_ATTENTION_FUNCTIONS.get_interface): einattn cannot run in this model, "
+                f"and attn_implementation='einattn' is ignored there or refused when it loads "
+                f"(docs/huggingface.md lists the architectures checked)")
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if name not in IMPLEMENTATIONS:
+        raise EinattnError(f"{type(model).__name__} is not loaded with an einattn attention "
+                           f"implementation ({', '.join(IMPLEMENTATIONS)}; call "
+                           f"einattn.hf.register() first), got attn_implementation={name!r}")
+    return name
 
 
 @contextlib.contextmanager
@@ -281,14 +339,20 @@ def capture(model: nn.Module) -> Iterator[dict]:
     """Inside it, every attention call of ``model`` (loaded with an einattn implementation)
     records its stages by their equation names: ``stages[layer_index]["Q" | "K" | "V" |
     "S" | "A" | "Z"]``, as ``return_intermediates`` names them (each call overwrites its
-    layer's: after ``generate``, the last step's)."""
-    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if name not in IMPLEMENTATIONS:
-        raise EinattnError(f"capture needs a model loaded with an einattn attention "
-                           f"implementation ({', '.join(IMPLEMENTATIONS)}; call "
-                           f"einattn.hf.register() first), got attn_implementation={name!r}")
+    layer's: after ``generate``, the last step's). A model einattn does not run in is refused
+    on entry (:func:`check`), and one that ran inside without any attention call reaching
+    einattn, on exit."""
+    check(model)
+    ran = []
+    hook = model.register_forward_hook(lambda *_: ran.append(True))
     saved, _capturing.stages = _capturing.stages, {}
+    calls = _capturing.calls
     try:
         yield _capturing.stages
     finally:
+        hook.remove()
         _capturing.stages = saved
+    if ran and _capturing.calls == calls:
+        raise EinattnError(f"{_describe(model)} ran inside einattn.hf.capture, but none of its "
+                           f"attention calls reached einattn: it computes attention in its own "
+                           f"code, not through Hugging Face's attention interface")

@@ -372,8 +372,8 @@ _ELSEWHERE = {
     "cache": "a KVCache is for decoding, one token at a time: decode with the layer "
              "unsharded (its parameters are the same on every rank)",
     "document_ids": "packed documents are not cut with the ring yet",
-    "dropout": "each block runs the chunked path, which has no dropout: call layer.eval() "
-               "or build the layer with dropout=0",
+    "dropout": "each block runs the chunked path's tiles, and the ring draws no dropout "
+               "masks across ranks: call layer.eval() or build the layer with dropout=0",
 }
 
 

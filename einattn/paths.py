@@ -75,15 +75,16 @@ def _stages(impl: str, Q, K, V, M, pattern, dropout: float, block_size: int,
         return _functional._einsum_stages(Q, K, V, M, pattern, dropout, scratch=not seen)
     if impl == "sdpa":
         return {"Z": _sdpa(Q, K, V, M, pattern, dropout)}
-    if dropout:
-        raise EinattnError(f"impl={impl!r} has no dropout (got dropout={dropout}); use "
-                           f"impl='einsum' or 'sdpa' while training with dropout")
+    if dropout and impl == "flex":
+        raise EinattnError(f"impl='flex' has no dropout (got dropout={dropout}); use "
+                           f"impl='chunked' (the same tiles, with dropout), 'einsum' or 'sdpa' "
+                           f"while training with dropout")
     if pattern.learned_slopes:
         raise EinattnError(f"impl={impl!r} takes ALiBi's slopes as constants, but this alibi "
                            f"tensor requires grad (learned slopes): use impl='einsum' or "
                            f"'sdpa', whose slopes get their gradient")
-    if impl == "chunked":
-        return {"Z": chunked.attend(Q, K, V, M, pattern, block_size)}  # checked: no second time
+    if impl == "chunked":  # checked already: not a second time
+        return {"Z": chunked.attend(Q, K, V, M, pattern, block_size, dropout)}
     return {"Z": flex.attention(Q, K, V, M, pattern)}
 
 

@@ -518,8 +518,6 @@ ERRORS = {
     "W_O μ": (dict(W_O=torch.ones(2, 4, 16)), r"index 'μ' has size 2 in W_O but 4 in Z"),
     "impl": (dict(impl="fast"),
              r"impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', got 'fast'"),
-    "chunked dropout": (dict(impl="chunked", dropout=0.1),
-                        r"impl='chunked' has no dropout \(got dropout=0.1\)"),
     "W_O i": (dict(W_O=torch.ones(4, 4, 9)),
               r"index 'i' has size 9 in W_O but 16 in x"),
     "b_O size": (dict(b_O=torch.ones(7)),

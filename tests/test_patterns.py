@@ -828,8 +828,8 @@ ERRORS = {
                                                                    requires_grad=True)),
         r"impl='flex' has no backward on the CPU"),
     "flex-dropout": (_call(impl="flex", causal=True, dropout=0.1),
-                     r"impl='flex' has no dropout \(got dropout=0.1\); use impl='einsum' or "
-                     r"'sdpa'"),
+                     r"impl='flex' has no dropout \(got dropout=0.1\); use impl='chunked' "
+                     r"\(the same tiles, with dropout\), 'einsum' or 'sdpa'"),
 }
 
 
