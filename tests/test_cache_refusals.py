@@ -76,8 +76,8 @@ REFUSALS = {  # name: (the refused call, what the refusal says, by cache kind wh
     "sinks shape": (lambda *a: _new(*a, functional=True, sinks=torch.zeros(H + 1)),
                     r"sinks|needs KVCache"),
     "learned slopes on chunked": (lambda *a: _learned_slopes(*a), r"learned slopes|needs KVCache"),
-    "dropout on chunked": (lambda layer, *a: _new(layer.train(), *a, impl="chunked"),
-                           r"impl='chunked' has no dropout"),
+    "dropout on flex": (lambda layer, *a: _new(layer.train(), *a, impl="flex"),
+                        r"impl='flex' has no dropout"),
     "padding shape": (lambda *a: _new(*a, key_padding_mask=torch.zeros(N, 5, dtype=torch.bool)),
                       r"key_padding_mask marks this call's new keys"),
     "padding dtype": (lambda *a: _new(*a, key_padding_mask=torch.zeros(N, 2)),
@@ -161,8 +161,8 @@ def test_a_refused_static_call_leaves_no_trace_in_its_storage(used):
         _call(layer, cache, "StaticKVCache", 0, USED)
         if not used:
             cache.reset()
-        with pytest.raises(EinattnError, match=r"impl='chunked' has no dropout"):
-            _new(layer.train(), cache, "StaticKVCache", impl="chunked")
+        with pytest.raises(EinattnError, match=r"impl='flex' has no dropout"):
+            _new(layer.train(), cache, "StaticKVCache", impl="flex")
     f = len(cache)
     assert f == (USED if used else 0)
     assert not cache.K[:, :, f:].any() and not cache.V[:, :, f:].any()
