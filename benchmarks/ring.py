@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as is
 
-from einattn import MultiHeadAttention, ring
+from einattn import MultiHeadAttention, patterns, ring
 from einattn import parallel as par
 from einattn.bench.memory import _peak_growth
 
@@ -39,10 +39,11 @@ n, d_model, heads, kv_heads, block = 1, 1024, 16, 4, 256
 def tiles(rank: int, R: int, layout: str, L: int) -> int:
     """The causal tiles of ``block`` rank k's ring computes over a sequence of L."""
     c = L // ring.n_chunks(R, layout)
-    return sum(len(p.tiles(c, c, block)) for k in range(R)
+    causal = patterns.build(n=1, n_heads=1, L_q=L, L_k=L, dtype=torch.float32, device="cpu",
+                            causal=True)
+    return sum(len(p.tiles(block)) for k in range(R)
                for _, _, p in ring.pairs(ring.chunks(rank, R, layout),
-                                         ring.chunks(k, R, layout), c,
-                                         ring.Terms(causal=True)))
+                                         ring.chunks(k, R, layout), c, causal))
 
 
 def worker(rank: int, R: int, port: int, L: int, layout: str, out) -> None:

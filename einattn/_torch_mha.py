@@ -77,7 +77,8 @@ def _check_expressible(layer) -> None:
                            f"this layer has scale={layer.scale}")
     patterned = [f"{k}={v!r}" for k, v in (("window", layer.window),
                                            ("softcap", layer.softcap), ("alibi", layer.alibi),
-                                           ("sinks", layer.sinks is not None)) if v]
+                                           ("sinks", layer.sinks is not None),
+                                           ("pattern", layer.pattern)) if v]
     if patterned:
         raise EinattnError(f"nn.MultiheadAttention has no attention patterns, but this "
                            f"layer has {', '.join(patterned)}")

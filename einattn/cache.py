@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import EinattnError
+from .patterns import Documents
 
 # New storage holds a quarter more positions than it must (at least HEADROOM more): each
 # position is copied about 4 times as the cache grows, where doubling holds up to twice the
@@ -149,12 +150,13 @@ class KVCache:
             raise EinattnError("document_ids must be given on every call with this cache or on "
                                "none: the cache holds one document id d[n σ] per cached key")
 
-    def masked(self, L: int, mask, causal: bool, terms: dict | None) -> tuple:
-        """``(mask, causal, terms)`` of a call of ``L`` queries over every cached key, once
-        appended: as given, the documents of every cached key in place of the call's."""
+    def seen_by(self, L: int) -> tuple[tuple, None]:
+        """What the ``L`` queries of a call attend with, once appended: the pieces the cache
+        adds to the pattern (the documents of every cached key) and their first position
+        (None: the last ``L`` of the cached ones, as ``causal`` aligns them)."""
         if self.document_ids is None:
-            return mask, causal, terms
-        return mask, causal, {**terms, "document_ids": self.document_ids}
+            return (), None
+        return (Documents(self.document_ids),), None
 
     def _append_ids(self, ids: torch.Tensor | None, K: torch.Tensor) -> None:
         if ids is None:

@@ -48,7 +48,6 @@ again: correct, at O(L_q·L_k) memory.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -82,7 +81,7 @@ _INF = float("inf")
 
 def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
               mask: torch.Tensor | None = None, causal: bool = False,
-              block_size: int = 256, pattern: _patterns.Pattern | None = None) -> torch.Tensor:
+              block_size: int = 256, pattern=None) -> torch.Tensor:
     """``Z[n μ τ a] = softmax_σ(Q[n μ τ a] K[n μ σ a] / √a + M[n μ τ σ]) V[n μ σ a]``,
     exactly, over tiles of ``block_size`` queries × ``block_size`` keys with O(L) memory.
 
@@ -91,8 +90,8 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     ``mask``: bool (True = may attend) or float (added to the scores), broadcastable to
     ``(n, μ, τ, σ)`` as in :func:`einattn.masks.as_nmts`; a float mask gets a gradient.
     ``causal=True`` lets query τ see key σ iff ``σ ≤ τ + L_k − L_q`` (bottom-right),
-    computed per tile from the indices; a ``pattern`` (:func:`einattn.patterns.build`,
-    causal included) brings the other terms of equation (3) instead.
+    computed per tile from the indices; ``pattern`` (pieces of :mod:`einattn.patterns`,
+    as :func:`einattn.functional.attention` takes them) brings the other terms of (3).
     ``V`` may have its own size of ``a``.
 
     >>> Q, K, V = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4)
@@ -105,9 +104,8 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     check_block_size(block_size)
     _functional.check_qkv(Q, K, V)
     n, n_heads, L_q, _ = Q.shape
-    if pattern is None:
-        pattern = _patterns.build(n=n, n_heads=n_heads, L_q=L_q, L_k=K.shape[2],
-                                  dtype=Q.dtype, device=Q.device, causal=causal)
+    pattern = _patterns.build(n=n, n_heads=n_heads, L_q=L_q, L_k=K.shape[2], dtype=Q.dtype,
+                              device=Q.device, causal=causal, pattern=pattern)
     if mask is not None:
         mask = _masks.as_nmts(mask, name="mask", n=n, n_heads=n_heads, L_q=L_q,
                               L_k=K.shape[2], dtype=Q.dtype, device=Q.device)
@@ -152,29 +150,30 @@ def _run(Q, K, V, mask, pattern, block_size: int,
     """Z by the ``autograd.Function`` where autograd records the call, else the forward."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (Q, K, V, mask, pattern.sinks)):
-        apply = _Attention.apply if _TRACEABLE or not torch.compiler.is_compiling() \
+        apply = _Attention.apply if TRACEABLE or not torch.compiler.is_compiling() \
             else _untraced_apply
         return apply(Q, K, V, mask, pattern.sinks, pattern, block_size, drop)
-    return _forward(Q, K, V, mask, pattern, block_size, drop)[0]
+    return forward(Q, K, V, mask, pattern, block_size, drop)[0]
 
 
 # Dynamo traces the Function below, backward included, into the graph. torch 2.11's traced
 # backward gave gradients 3.0 off (eager: 1e-15, the forward exact; measured on CPU and CUDA,
 # tests/test_chunked.py's compile test), torch 2.13's are exact: before 2.13 the Function runs
 # outside the graph (a graph break; fullgraph=True refuses it), never a wrong gradient.
-_TRACEABLE = torch.__version__ >= "2.13"
+TRACEABLE = torch.__version__ >= "2.13"
 
 
 def _tile_side(pattern, block_size: int) -> int:
-    """The side of a tile: ``block_size``, or, under a sliding window of ``w`` keys, at most
-    ``max(64, w // 2)``: a band of ``w`` keys cut into square tiles of side ``b`` covers
-    ``b · (w + b)`` scores per ``b`` queries, so ``b ≤ w / 2`` wastes at most a third of
-    them, where ``b = w`` wastes half (measured, causal w = 256 at L = 4096, one thread:
-    forward 56.9 → 43.1 ms, forward+backward 165 → 127 ms, from b = 256 to 128)."""
-    windows = [piece.w for piece in pattern.masks if isinstance(piece, _patterns.Window)]
-    if not windows:
+    """The side of a tile: ``block_size``, or, where a query sees a band of at most ``w``
+    keys (a sliding window's), at most ``max(64, w // 2)``: a band of ``w`` keys cut into
+    square tiles of side ``b`` covers ``b · (w + b)`` scores per ``b`` queries, so
+    ``b ≤ w / 2`` wastes at most a third of them, where ``b = w`` wastes half (measured,
+    causal w = 256 at L = 4096, one thread: forward 56.9 → 43.1 ms, forward+backward 165 →
+    127 ms, from b = 256 to 128)."""
+    band = pattern.band()
+    if band is None:
         return block_size
-    return min(block_size, max(64, min(windows) // 2))
+    return min(block_size, max(64, band // 2))
 
 
 def _dense(Q, K, V, mask, pattern, block_size: int = 0,
@@ -202,7 +201,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, Q, K, V, mask, sinks, pattern, block_size: int, drop):
-        Z, lse = _forward(Q, K, V, mask, pattern, block_size, drop)
+        Z, lse = forward(Q, K, V, mask, pattern, block_size, drop)
         ctx.save_for_backward(Q, K, V, Z, for_backward(lse), mask, sinks)
         ctx.pattern, ctx.block_size, ctx.drop = pattern, block_size, drop
         return Z
@@ -213,7 +212,7 @@ class _Attention(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: a backward that can be differentiated
             return (*_dense_grads(ctx, Q, K, V, mask, sinks, dZ), None, None, None)
         with torch.autocast(dZ.device.type, enabled=False):
-            grads = _backward(Q, K, V, Z, lse, mask, dZ, ctx.pattern, ctx.block_size,
+            grads = backward(Q, K, V, Z, lse, mask, dZ, ctx.pattern, ctx.block_size,
                               mask_grad=ctx.needs_input_grad[3], drop=ctx.drop)
         return *grads, None, None, None
 
@@ -227,14 +226,14 @@ def _dense_grads(ctx, Q, K, V, mask, sinks, dZ):
     inputs = (Q, K, V, mask, sinks)
     wanted = [t for t, need in zip(inputs, ctx.needs_input_grad, strict=False) if need]
     with torch.autocast(dZ.device.type, enabled=False):
-        pattern = dataclasses.replace(ctx.pattern, sinks=sinks)  # the saved s[μ] itself
+        pattern = ctx.pattern.with_sinks(sinks)  # the saved s[μ] itself
         Z = _dense(Q, K, V, mask, pattern, ctx.block_size, ctx.drop)
         grads = iter(torch.autograd.grad(Z, wanted, dZ, create_graph=True))
     return [next(grads) if need else None
             for need in ctx.needs_input_grad[:5]]
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
+def accumulator(dtype: torch.dtype) -> torch.dtype:
     """Running statistics in at least float32, whatever the inputs' precision."""
     return torch.promote_types(dtype, torch.float32)
 
@@ -279,14 +278,7 @@ def _spans(tiles, block_size: int) -> list:
 
 def _tiles(Q, K, pattern, block_size: int) -> list:
     """The tiles ``(τ0, τ1, σ0, σ1, partial)`` the forward and the backward visit."""
-    return _spans(pattern.tiles(Q.shape[2], K.shape[2], block_size), block_size)
-
-
-def _grid(Q, K, pattern):
-    """The index grid the pattern's pieces read, or None where it has none."""
-    if len(pattern.masks) + len(pattern.scores) == 0:
-        return None
-    return _patterns.grid(Q.shape[0], Q.shape[1], Q.shape[2], K.shape[2], Q.device)
+    return _spans(pattern.tiles(block_size), block_size)
 
 
 def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
@@ -295,12 +287,12 @@ def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
     return rows if rows.shape[3] == 1 else rows[:, :, :, sigma]
 
 
-def _forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None = None):
+def forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None = None):
     """``(Z, lse)``: over the split keys for a few queries whose keys fit one wide tile
     (a decoding step), over the tiles otherwise (always with dropout: the backward's)."""
     L_q = Q.shape[2]
     if 0 < L_q <= SPLIT_QUERIES and drop is None:
-        reach = _reach(pattern, L_q, K.shape[2])
+        reach = pattern.reach()
         if L_q * (reach[1] - reach[0]) <= SPAN * block_size * block_size:
             return _split_forward(Q, K, V, mask, pattern, block_size, reach)
     return _tiled_forward(Q, K, V, mask, pattern, block_size, drop)
@@ -308,7 +300,7 @@ def _forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None =
 
 def _tiled_forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None):
     n, n_heads, L_q, _ = Q.shape
-    acc = _accumulator(Q.dtype)
+    acc = accumulator(Q.dtype)
     out_dtype, (Q, K, V) = Q.dtype, (t.to(acc) for t in (Q, K, V))  # tiles in ≥ float32
     m = Q.new_full((n, n_heads, L_q), -_INF, dtype=acc)  # running max m[n μ τ]
     l = Q.new_zeros((n, n_heads, L_q), dtype=acc)  # noqa: E741 running sum l[n μ τ]
@@ -316,7 +308,7 @@ def _tiled_forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | 
         m.copy_(pattern.sinks[:, None])
         l.copy_((pattern.sinks != -_INF)[:, None])  # exp(s_μ − m) = 1, or 0 for s_μ = −∞
     O = Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=acc)  # noqa: E741 unnormalised Z
-    at = _grid(Q, K, pattern)
+    at = pattern.grid()
     for tile in _tiles(Q, K, pattern, block_size):
         tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
         _, S = _tile_logits(Q, K, mask, pattern, at, tile, acc)
@@ -359,14 +351,14 @@ def _split_forward(Q, K, V, mask, pattern, block_size: int, reach):
 
     A row with no admissible key has ``lse = −∞`` and ``Z = 0``."""
     (n, n_heads, L_q, _), (s0, s1, partial) = Q.shape, reach
-    acc = _accumulator(Q.dtype)
+    acc = accumulator(Q.dtype)
     out_dtype, (Q, K, V) = Q.dtype, (t.to(acc) for t in (Q, K, V))
     lse_b = [] if pattern.sinks is None else \
         [pattern.sinks.to(acc)[:, None, None].expand(n, n_heads, L_q, 1)]
     if s1 <= s0:  # no admissible key: Z = 0, lse = −∞ (or the sink's s_μ)
         lse = lse_b[0][..., 0] if lse_b else Q.new_full((n, n_heads, L_q), -_INF)
         return Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=out_dtype), lse
-    _, S = _tile_logits(Q, K, mask, pattern, _grid(Q, K, pattern), (0, L_q, s0, s1, partial),
+    _, S = _tile_logits(Q, K, mask, pattern, pattern.grid(), (0, L_q, s0, s1, partial),
                         acc)
     short = -(s1 - s0) % block_size  # the last block, filled up with −∞ (no key)
     blocks = _F.pad(S, (0, short), value=-_INF) if short else S
@@ -377,39 +369,24 @@ def _split_forward(Q, K, V, mask, pattern, block_size: int, reach):
     return _functional.weighted_values(A, V[:, :, s0:s1]).to(out_dtype), lse
 
 
-def _reach(pattern, L_q: int, L_k: int) -> tuple[int, int, bool]:
-    """The keys ``[σ0, σ1)`` that some of the ``L_q`` queries may see (a window's band),
-    and whether the mask pieces must be evaluated there (``False``: every key is seen)."""
-    s0, s1 = 0, L_k
-    for piece in pattern.masks:
-        if hasattr(piece, "keys"):
-            lo, hi = piece.keys(0, L_q - 1)
-            s0, s1 = max(s0, lo), min(s1, hi + 1)
-    partial = False
-    for piece in pattern.masks:
-        some, every = (False, False) if s1 <= s0 else \
-            piece.judge(max(L_q, L_k))(0, L_q - 1, s0, s1 - 1)
-        if not some:
-            return s0, s0, False
-        partial = partial or not every
-    return s0, max(s0, s1), partial
-
-
 def for_backward(lse: torch.Tensor) -> torch.Tensor:
     """``lse`` as the backward pass reads it: ``+∞`` where a row saw no key (``−∞``), so
     that ``P = exp(S − lse)`` recomputes as 0 there."""
     return lse.masked_fill(lse == -_INF, _INF)
 
 
-def _backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: bool,
-              drop: TileDropout | None = None):
+def backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: bool,
+             drop: TileDropout | None = None):
+    """``(dQ, dK, dV, dM, ds)`` over the tiles, each recomputing ``P = exp(S − lse)`` from
+    the forward's ``lse`` as :func:`for_backward` reads it (dM where ``mask_grad``, ds where
+    the pattern has sinks)."""
     g = K.shape[1]
-    acc, dtypes = _accumulator(Q.dtype), (Q.dtype, K.dtype, V.dtype)
+    acc, dtypes = accumulator(Q.dtype), (Q.dtype, K.dtype, V.dtype)
     Q, K, V, Z, dZ = (t.to(acc) for t in (Q, K, V, Z, dZ))  # every tile in ≥ float32
     D = (dZ * Z).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z = Σ_σ P dP
     dQ, dK, dV = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (Q, K, V))
     dM = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask_grad else None
-    at = _grid(Q, K, pattern)
+    at = pattern.grid()
     for tile in _tiles(Q, K, pattern, block_size):
         tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
         S, logits = _tile_logits(Q, K, mask, pattern, at, tile, acc)
@@ -429,10 +406,10 @@ def _backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad:
         dQ[:, :, tau] += QUERY_GRADS(dS=dS, K_b=K_b)
         dK[:, :, sigma] += KEY_GRADS(dS=dS, Q_t=Q_t, g=g)
     grads = [d.to(dtype) for d, dtype in zip((dQ, dK, dV), dtypes, strict=True)]
-    return (*grads, dM, _sink_grad(pattern.sinks, lse, D))
+    return (*grads, dM, sink_grad(pattern.sinks, lse, D))
 
 
-def _sink_grad(sinks, lse, D):
+def sink_grad(sinks, lse, D):
     """``∂L/∂s_μ = −Σ_{n τ} A_sink[n μ τ] D[n μ τ]``, with ``A_sink = exp(s_μ − lse)`` the
     weight the sink took (its value is zero, so only the denominator it joins moves Z)."""
     if sinks is None:

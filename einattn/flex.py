@@ -24,7 +24,6 @@ import warnings
 
 import torch
 
-from . import patterns
 from .errors import EinattnError
 
 BLOCK = 128  # queries and keys per BlockMask tile (FlexAttention's own default)
@@ -46,7 +45,7 @@ def attention(Q, K, V, mask, pattern) -> torch.Tensor:
     mask_mod, score_mod = _mods(pattern, mask, L_k)
     block_mask = None
     if mask_mod is not None:
-        key = _reuse_key(pattern, mask, L_q, L_k, Q.device)
+        key = _reuse_key(pattern, mask)
         block_mask = _BLOCK_MASKS.get(key) if key is not None else None
         if block_mask is None:
             block_mask = _block_mask(flex, pattern, mask_mod, L_q, L_k, K.shape[2],
@@ -168,20 +167,18 @@ def _at(M: torch.Tensor, b, h, q, kv):
                                                             strict=True))]
 
 
-_BLOCK_MASKS: dict = {}  # a pattern of the indices alone (causal, window) -> its BlockMask
+_BLOCK_MASKS: dict = {}  # a pattern of the positions alone (causal, window) -> its BlockMask
 _KEPT = 32
 
 
-def _reuse_key(pattern, mask, L_q: int, L_k: int, device):
+def _reuse_key(pattern, mask):
     """A key under which this call's BlockMask may be kept and found again, or None: where
-    its mask_mod reads nothing but the indices (causal, a window; no mask, documents or
-    sink), the same pattern at the same sizes has the same BlockMask. At L = 4096 building
-    one costs 1 ms of Python, 3 % of the call it feeds."""
-    if mask is not None or pattern.sinks is not None or torch.compiler.is_compiling() or \
-            not all(isinstance(piece, (patterns.Causal, patterns.Window))
-                    for piece in pattern.masks):
+    its mask_mod reads nothing but the positions (causal, a window, a MaskMod, a Mask; no
+    mask, documents or sink), the same pattern at the same sizes has the same BlockMask. At
+    L = 4096 building one costs 1 ms of Python, 3 % of the call it feeds."""
+    if mask is not None or torch.compiler.is_compiling():
         return None
-    return pattern.masks, L_q, L_k, device
+    return pattern.key
 
 
 def _remember(key, block_mask) -> None:
@@ -199,7 +196,7 @@ def _block_mask(flex, pattern, mask_mod, L_q: int, L_k: int, KV_LEN: int, *, par
     reading), a sink's key block is in every row."""
     T_q, T_k = -(-L_q // BLOCK), -(-KV_LEN // BLOCK)
     rows = [([], []) for _ in range(T_q)]  # per query block: partial and full key blocks
-    for t0, _, s0, _, some_masked in pattern.tiles(L_q, L_k, BLOCK):
+    for t0, _, s0, _, some_masked in pattern.tiles(BLOCK):
         rows[t0 // BLOCK][0 if some_masked or partial else 1].append(s0 // BLOCK)
     if KV_LEN > L_k:  # the sink, in the last key block: every row reads it, through mask_mod
         last = (KV_LEN - 1) // BLOCK

@@ -255,7 +255,7 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
               mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
               causal: bool = False, window: int | None = None, softcap: float | None = None,
               alibi=False, sinks: torch.Tensor | None = None,
-              document_ids: torch.Tensor | None = None, dropout: float = 0.0,
+              document_ids: torch.Tensor | None = None, pattern=None, dropout: float = 0.0,
               impl: str = "einsum", block_size: int = 256, scale: float | None = None,
               need_weights: bool = False, is_causal=None):
     """Equations (2)–(4) with every term of (3): ``Z[n μ τ a]`` from ``Q[n μ τ a]``,
@@ -281,9 +281,10 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     """
     check_options(impl, dropout, block_size, is_causal)
     check_qkv(Q, K, V)
-    stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, mask, causal,
-                        _terms(window, softcap, alibi, sinks, document_ids), dropout, impl,
-                        block_size, need_weights)
+    pieces = _patterns.pieces_of(pattern, causal=causal, window=window, softcap=softcap,
+                                 alibi=alibi, sinks=sinks, document_ids=document_ids)
+    stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, mask, pieces, dropout,
+                        impl, block_size, need_weights)
     return (stages["Z"], stages["A"]) if need_weights else stages["Z"]
 
 
@@ -300,7 +301,7 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
                          cache: KVCache | None = None, scale: float | None = None,
                          window: int | None = None, softcap: float | None = None, alibi=False,
                          sinks: torch.Tensor | None = None,
-                         document_ids: torch.Tensor | None = None,
+                         document_ids: torch.Tensor | None = None, pattern=None,
                          W_KV: torch.Tensor | None = None, b_KV: torch.Tensor | None = None,
                          is_causal=None):
     """Equations (1)–(5) composed: ``Y[n τ i]`` from ``X[n τ i]``.
@@ -321,10 +322,10 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     ``key_padding_mask`` and ``document_ids`` then mark this call's new keys only. A
     :class:`~einattn.static_cache.StaticKVCache` is the same with one shape for every call.
     ``window``, ``softcap``, ``alibi``, ``sinks`` and ``document_ids`` are the attention
-    patterns of equation (3), as in :func:`attention`. With ``W_KV`` (and ``b_KV``) the
-    context has a width of its own: ``W`` is then ``W_Q[(μ a) i]`` and equation (1) splits
-    into (1q) and (1kv) (:mod:`einattn.cross`). ``is_causal`` (PyTorch's name) is refused:
-    einattn's is ``causal``.
+    patterns of equation (3), as in :func:`attention`, and so is ``pattern``. With ``W_KV``
+    (and ``b_KV``) the context has a width of its own: ``W`` is then ``W_Q[(μ a) i]`` and
+    equation (1) splits into (1q) and (1kv) (:mod:`einattn.cross`). ``is_causal`` (PyTorch's
+    name) is refused: einattn's is ``causal``.
 
     ``impl`` chooses how equations (2)–(4) run, on the same parameters: ``"einsum"`` (the
     equations as written; under ``torch.compile`` routed to SDPA, which Inductor fuses),
@@ -342,15 +343,18 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     if cache is not None:
         check_cache(cache, context)
     Q, K, V = _projected(x, W, b, context, W_KV, b_KV, n_heads, n_kv_heads, W_O)
-    terms = _terms(window, softcap, alibi, sinks, document_ids)
+    pieces = _patterns.pieces_of(pattern, causal=causal, window=window, softcap=softcap,
+                                 alibi=alibi, sinks=sinks,
+                                 document_ids=document_ids if cache is None else None)
     if cache is not None:  # every check that can be made before the cache is touched
-        _check_cached_call(cache, Q, W_O, b_O, mask, terms, positions, document_ids)
+        _check_cached_call(cache, Q, W_O, b_O, mask, len(pieces) > bool(causal), positions,
+                           document_ids)
     positions, offset = (positions, 0) if cache is None or rope is None else \
         cache.placed(positions, x.shape[1], x.device)
     Q, K = rotary.turned(Q, K, (rope, rope_base, rope_scaling, rotary_dim), positions,
                          offset=offset, cross=context is not None)
     # run's arguments by position (why: docs/performance.md, "How the fast paths are fast")
-    how = (mask, causal, terms, dropout, impl, block_size, need_weights or return_intermediates)
+    how = (mask, pieces, dropout, impl, block_size, need_weights or return_intermediates)
     seen = (need_weights, return_intermediates)
     if cache is None:
         stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, *how)
@@ -370,10 +374,11 @@ def _outputs(Q, K, V, stages: dict, W_O, b_O, need_weights: bool, return_interme
     return (Y, stages["A"]) if need_weights else Y
 
 
-def _check_cached_call(cache, Q, W_O, b_O, mask, terms, positions, document_ids) -> None:
+def _check_cached_call(cache, Q, W_O, b_O, mask, pattern: bool, positions,
+                       document_ids) -> None:
     """What a call with a cache is refused for, checked before the cache is touched: what the
     cache does not take, and the output weights of equation (5)."""
-    cache.check_call(Q.shape[2], mask=mask, pattern=terms is not None, positions=positions,
+    cache.check_call(Q.shape[2], mask=mask, pattern=pattern, positions=positions,
                      document_ids=document_ids)
     if not torch.compiler.is_compiling():
         HEADS.sizes(Z=Q.shape, W_O=W_O)  # Z[n μ τ a] has the sizes of Q[n μ τ a]
@@ -382,11 +387,12 @@ def _check_cached_call(cache, Q, W_O, b_O, mask, terms, positions, document_ids)
 
 def _cached(cache, Q, K, V, key_padding_mask, document_ids, how: tuple):
     """K, V and (2)–(4) with a cache: this call's K and V join it and the queries attend
-    over what it holds: the filled positions of a KVCache, every position of a
-    StaticKVCache with those not filled masked."""
+    over what it holds, with what it adds to the pattern (the documents of every cached
+    key) and its queries' positions (the count filled before them, in a StaticKVCache)."""
     K, V, key_padding_mask = cache.append(K, V, key_padding_mask, document_ids)
-    how = (*cache.masked(Q.shape[2], *how[:3]), *how[3:])
-    return K, V, _paths.run(Q, K, V, key_padding_mask, *how)
+    mask, pieces, *rest = how
+    added, q0 = cache.seen_by(Q.shape[2])
+    return K, V, _paths.run(Q, K, V, key_padding_mask, mask, pieces + added, *rest, q0=q0)
 
 
 def _projected(x, W, b, context, W_KV, b_KV, n_heads: int, n_kv_heads, W_O):
@@ -401,15 +407,6 @@ def _projected(x, W, b, context, W_KV, b_KV, n_heads: int, n_kv_heads, W_O):
     return QKV
 
 
-def _terms(window, softcap, alibi, sinks, document_ids) -> dict | None:
-    """The pattern options of equation (3) that are set, or None where none is."""
-    if window is None and softcap is None and sinks is None and document_ids is None \
-            and (alibi is False or alibi is None):
-        return None
-    return {"window": window, "softcap": softcap, "alibi": alibi, "sinks": sinks,
-            "document_ids": document_ids}
-
-
 def _scaled(Q: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Q with ``s · √a`` folded in, so that equation (2)'s ``/ √a`` gives ``S = s · Q K``."""
     return Q if scale is None else Q * (check_scale(scale) * math.sqrt(Q.shape[-1]))
@@ -422,10 +419,8 @@ def _einsum_stages(Q, K, V, M, pattern, dropout: float,
     spend S's storage (then "S" holds A). Float16 and bfloat16 scores, mask and softmax
     are float32 (as SDPA's are): a score past 65504 or a ``−1e4`` mask added in half
     precision would lose the row."""
-    (n, n_heads, L_q, _), L_k = Q.shape, K.shape[2]
-    at = _patterns.grid(n, n_heads, L_q, L_k, Q.device) if pattern.masks or pattern.scores \
-        else None
-    no_dead_row = pattern.causal_only and M is None and L_q <= L_k
+    at = pattern.grid()
+    no_dead_row = pattern.no_dead_row(M)
     M = _masks.combine(M, None if at is None else pattern.allowed(at))
     half = Q.dtype in _HALF
     if half:

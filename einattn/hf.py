@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from . import functional, layouts, paths, rotary
+from . import functional, layouts, paths, patterns, rotary
 from .errors import EinattnError
 from .module import MultiHeadAttention
 
@@ -253,11 +253,12 @@ def _forward(impl: str, module, query, key, value, attention_mask, dropout: floa
     window = kwargs.get("sliding_window")
     if attention_mask is not None and L_q != key.shape[2]:
         window = None  # HF's mask has it, at positions a cache may not align bottom-right
-    terms = functional._terms(window, kwargs.get("softcap"), False, kwargs.get("s_aux"), None)
+    pieces = patterns.pieces_of(causal=bool(causal) and attention_mask is None, window=window,
+                                softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     # "einattn" returns A as HF's eager does; the others where it is asked for or captured
     seen = impl == "einsum" or _weights_asked(module, kwargs) or _capturing.stages is not None
     stages = paths.run(functional._scaled(query, scaling), key, value, None, attention_mask,
-                       bool(causal) and attention_mask is None, terms, dropout, impl, 256, seen)
+                       pieces, dropout, impl, 256, seen)
     if _capturing.stages is not None:
         _capturing.calls += 1
         _capturing.stages[getattr(module, "layer_idx", len(_capturing.stages))] = {

@@ -12,6 +12,10 @@ import torch
 
 from . import _autocast
 from .errors import EinattnError
+from .patterns import Causal, alibi_slopes
+
+__all__ = ["additive_causal_mask", "alibi_slopes", "as_nmts", "attention_mask", "causal_mask",
+           "check_key_padding", "combine", "from_key_padding"]
 
 
 def causal_mask(L_q: int, L_k: int | None = None, *, device=None) -> torch.Tensor:
@@ -25,9 +29,8 @@ def causal_mask(L_q: int, L_k: int | None = None, *, device=None) -> torch.Tenso
             [1, 1, 1]], dtype=torch.int32)
     """
     L_k = L_q if L_k is None else L_k
-    tau = torch.arange(L_q, device=device)[:, None]
-    sigma = torch.arange(L_k, device=device)[None, :]
-    return sigma <= tau + (L_k - L_q)
+    tau = torch.arange(L_q, device=device)[:, None] + (L_k - L_q)  # τ' = τ + L_k − L_q
+    return Causal().allowed(None, None, tau, torch.arange(L_k, device=device)[None, :])
 
 
 def additive_causal_mask(L_q: int, L_k: int | None = None, *, dtype=torch.float32,
@@ -122,23 +125,6 @@ def combine(*masks: torch.Tensor | None) -> torch.Tensor | None:
     if bool_mask is None:
         return float_mask
     return torch.where(bool_mask, float_mask, float("-inf"))  # broadcast both ways
-
-
-def alibi_slopes(n_heads: int, *, dtype=torch.float32, device=None) -> torch.Tensor:
-    """ALiBi's slopes ``m[μ]``, as BLOOM and MPT draw them: for ``h`` a power of two the
-    geometric sequence ``m_μ = 2^(−8 (μ + 1) / h)``; otherwise those of the largest power of
-    two ``h' < h``, then every other slope of ``2 h'`` heads (the odd ones) for the rest.
-
-    >>> alibi_slopes(4)
-    tensor([0.2500, 0.0625, 0.0156, 0.0039])
-    """
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-        raise EinattnError(f"n_heads must be a positive int, got {n_heads!r}")
-    def geometric(h: int) -> torch.Tensor:
-        return 2.0 ** (-8.0 * torch.arange(1, h + 1, dtype=torch.float64) / h)
-    h = 1 << (n_heads.bit_length() - 1)
-    slopes = torch.cat([geometric(h), geometric(2 * h)[0::2][:n_heads - h]])
-    return slopes.to(dtype=dtype, device=device)
 
 
 def attention_mask(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dtype,

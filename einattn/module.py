@@ -49,7 +49,9 @@ class MultiHeadAttention(nn.Module):
     (layout ``(μ B a)``) and ``b_O`` (``d_model``). ``init="torch"`` follows
     ``nn.MultiheadAttention``; ``init="gpt2"`` draws weights from N(0, 0.02²).
     ``n_kv_heads`` makes it grouped-query attention (``W[(g C a) i]``); ``rope="half"`` or
-    ``"interleaved"`` adds rotary position embeddings (:mod:`einattn.rotary`).
+    ``"interleaved"`` adds rotary position embeddings (:mod:`einattn.rotary`). ``pattern``:
+    pieces of :mod:`einattn.patterns` (one, or a sequence) that every call applies, beside
+    ``causal``, ``window``, ``softcap``, ``alibi`` and ``sinks``.
     ``batch_first=False`` takes and gives ``(L, n, d_model)``, as ``nn.MultiheadAttention``
     with ``batch_first=False`` does (masks, padding and weights keep einattn's indices).
 
@@ -58,7 +60,8 @@ class MultiHeadAttention(nn.Module):
     torch.Size([2, 5, 16])
     """
 
-    batch_first = True  # the default, for a layer pickled before the option existed
+    batch_first = True  # the defaults, for a layer pickled before the options existed
+    pattern = ()
 
     def __init__(self, d_model: int, n_heads: int, *, d_head: int | None = None,
                  n_kv_heads: int | None = None, bias: bool = False, dropout: float = 0.0,
@@ -67,8 +70,8 @@ class MultiHeadAttention(nn.Module):
                  rope_scaling: dict | None = None, rotary_dim: int | None = None,
                  scale: float | None = None, window: int | None = None,
                  softcap: float | None = None, alibi: bool = False, sinks: bool = False,
-                 d_context: int | None = None, batch_first: bool = True, device=None,
-                 dtype=None):
+                 pattern=None, d_context: int | None = None, batch_first: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         d_head = _d_head(d_model, n_heads, d_head)
         check_dropout(dropout)
@@ -84,6 +87,7 @@ class MultiHeadAttention(nn.Module):
         self.scale = None if scale is None else check_scale(scale)
         self.window = None if window is None else patterns.check_window(window)
         self.softcap = None if softcap is None else patterns.check_softcap(softcap)
+        self.pattern = patterns.pieces_of(pattern)  # the layer's own pieces, a tuple
         for name, flag in (("alibi", alibi), ("sinks", sinks), ("batch_first", batch_first)):
             if not isinstance(flag, bool):
                 raise EinattnError(f"{name} must be True or False, got {flag!r}")
@@ -148,6 +152,7 @@ class MultiHeadAttention(nn.Module):
                                                                    "d_context")
                           if getattr(self, k) is not None)
                 + (", alibi=True" if self.alibi else "")
+                + (f", pattern={self.pattern!r}" if self.pattern else "")
                 + (", sinks=True" if self.sinks is not None else "")
                 + ("" if self.batch_first else ", batch_first=False"))
 
@@ -156,7 +161,7 @@ class MultiHeadAttention(nn.Module):
                 causal: bool | None = None, need_weights: bool = False,
                 return_intermediates: bool = False, impl: str | None = None,
                 positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                document_ids: torch.Tensor | None = None, is_causal=None):
+                document_ids: torch.Tensor | None = None, pattern=None, is_causal=None):
         """``Y[n τ i]`` from ``x`` ``(n, L_q, d_model)`` and optional ``context``
         ``(n, L_k, d_model)`` (``(L_q, n, d_model)``, ``(L_k, n, d_model)`` and a
         ``(L_q, n, d_model)`` output with ``batch_first=False``).
@@ -177,8 +182,9 @@ class MultiHeadAttention(nn.Module):
         ``key_padding_mask`` then marks the new keys (a :class:`~einattn.StaticKVCache`:
         the same with one shape for every call, for a compiled step). ``document_ids`` (integers
         ``(n, L)``, self-attention) packs several documents in one sequence: a token
-        attends only within its own (with a cache, this call's tokens' ids). ``is_causal``
-        (PyTorch's name) is refused: einattn's is ``causal``.
+        attends only within its own (with a cache, this call's tokens' ids). ``pattern``:
+        pieces of :mod:`einattn.patterns` for this call, joined to the layer's own.
+        ``is_causal`` (PyTorch's name) is refused: einattn's is ``causal``.
         """
         refuse_is_causal(is_causal)
         # w's entries go by name, not as **w: docs/performance.md, "How the fast paths are fast"
@@ -190,6 +196,7 @@ class MultiHeadAttention(nn.Module):
             self._check_input("context", context, w["W"], self.d_context)
         if not self.batch_first:  # (L, n, d): the equations read X[n τ i]
             x, context = x.transpose(0, 1), None if context is None else context.transpose(0, 1)
+        pieces = self.pattern if pattern is None else self.pattern + patterns.pieces_of(pattern)
         out = functional.multi_head_attention(
             x, w["W"], w["W_O"], b=w["b"], b_O=w["b_O"], n_heads=w["n_heads"],
             n_kv_heads=w["n_kv_heads"], context=context, mask=mask,
@@ -200,7 +207,8 @@ class MultiHeadAttention(nn.Module):
             rope=self.rope, rope_base=self.rope_base, rope_scaling=self.rope_scaling,
             rotary_dim=self.rotary_dim, positions=positions, cache=cache, scale=self.scale,
             window=self.window, softcap=self.softcap, alibi=w["alibi"], sinks=w["sinks"],
-            document_ids=document_ids, W_KV=w["W_KV"], b_KV=w["b_KV"])
+            document_ids=document_ids, W_KV=w["W_KV"], b_KV=w["b_KV"],
+            pattern=pieces)
         return out if self.batch_first else _sequence_first(out)
 
     def _attention_weights(self) -> dict:

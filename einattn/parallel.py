@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from . import functional, ring, rotary
+from . import functional, patterns, ring, rotary
 from .errors import EinattnError
 from .masks import alibi_slopes
 from .module import MultiHeadAttention
@@ -130,8 +130,8 @@ def gather_heads(layer: MultiHeadAttention) -> MultiHeadAttention:
         impl=layer.impl, block_size=layer.block_size, rope=layer.rope,
         rope_base=layer.rope_base, rope_scaling=layer.rope_scaling, rotary_dim=layer.rotary_dim,
         scale=layer.scale, window=layer.window, softcap=layer.softcap, alibi=layer.alibi,
-        sinks=layer.sinks is not None, batch_first=layer.batch_first, device=full["W"].device,
-        dtype=full["W"].dtype)
+        sinks=layer.sinks is not None, pattern=layer.pattern, batch_first=layer.batch_first,
+        device=full["W"].device, dtype=full["W"].dtype)
     with torch.no_grad():
         for name, t in full.items():
             if t is not None:
@@ -344,18 +344,13 @@ class SequenceParallel:
         Q, K = rotary.turned(Q, K, (self.rope, self.rope_base, self.rope_scaling,
                                     self.rotary_dim), t.to(x.device) if self.rope else None,
                              offset=0, cross=False)
+        pieces = patterns.pieces_of(causal=self.causal if causal is None else causal,
+                                    window=self.window, softcap=self.softcap,
+                                    alibi=w["alibi"], sinks=w["sinks"]) + self.pattern
         Z = ring.attention(functional._scaled(Q, self.scale), K, V, key_padding_mask,
-                           self.ring, terms=self._terms(causal, Q), sinks=w["sinks"],
+                           self.ring, pieces=pieces,
                            block_size=_block_size(impl, self.block_size, L))
         return functional.combine_heads(Z, w["W_O"], w["b_O"])
-
-    def _terms(self, causal: bool | None, Q: torch.Tensor) -> ring.Terms:
-        """The layer's pattern of equation (3), for the ring: ALiBi's slopes in at least
-        float32, as the scores are."""
-        slopes = alibi_slopes(self.n_heads, dtype=torch.promote_types(Q.dtype, torch.float32),
-                              device=Q.device) if self.alibi else None
-        return ring.Terms(self.causal if causal is None else causal, self.window,
-                          self.softcap, slopes)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, sequence over a mesh of size "

@@ -27,16 +27,14 @@ from . import functional as _functional  # not `from .functional import`: it imp
 from .errors import EinattnError
 
 
-def run(Q, K, V, key_padding_mask, mask, causal: bool, terms: dict | None, dropout: float,
-        impl: str, block_size: int, seen: bool) -> dict[str, torch.Tensor]:
-    """Equations (2)–(4) by ``impl``, with the terms of (3): every stage where they are
-    ``seen`` (on the einsum path, which alone has S and A), Z alone elsewhere."""
+def run(Q, K, V, key_padding_mask, mask, pieces: tuple, dropout: float, impl: str,
+        block_size: int, seen: bool, q0=None) -> dict[str, torch.Tensor]:
+    """Equations (2)–(4) by ``impl``, with the ``pieces`` of (3) bound to this call (its
+    queries at positions ``q0 …``, by default the last of the keys'): every stage where they
+    are ``seen`` (on the einsum path, which alone has S and A), Z alone elsewhere."""
     (n, n_heads, L_q, _), L_k = Q.shape, K.shape[2]
-    if terms is None:
-        pattern = _causal(L_k - L_q) if causal and L_q > 1 else _PLAIN
-    else:
-        pattern = patterns.build(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=Q.dtype,
-                                 device=Q.device, causal=causal, **terms)
+    pattern = patterns.bind(pieces, n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=Q.dtype,
+                            device=Q.device, q0=q0)
     M = None
     if mask is not None or key_padding_mask is not None:
         M = masks.attention_mask(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=Q.dtype,
@@ -48,14 +46,6 @@ def run(Q, K, V, key_padding_mask, mask, causal: bool, terms: dict | None, dropo
             return _stages(impl, Q, K, V, M, pattern, dropout, block_size, seen)
         stages = masked_nonfinite_dropped(again, Q, K, V, M, pattern, stages)
     return stages
-
-
-_PLAIN = patterns.Pattern()
-
-
-def _causal(shift: int) -> patterns.Pattern:
-    """The pattern ``causal=True`` is."""
-    return patterns.Pattern((patterns.Causal(shift),))
 
 
 def _routed(impl: str, pattern: patterns.Pattern) -> str:
@@ -79,22 +69,21 @@ def _stages(impl: str, Q, K, V, M, pattern, dropout: float, block_size: int,
         raise EinattnError(f"impl='flex' has no dropout (got dropout={dropout}); use "
                            f"impl='chunked' (the same tiles, with dropout), 'einsum' or 'sdpa' "
                            f"while training with dropout")
-    if pattern.learned_slopes:
-        raise EinattnError(f"impl={impl!r} takes ALiBi's slopes as constants, but this alibi "
-                           f"tensor requires grad (learned slopes): use impl='einsum' or "
-                           f"'sdpa', whose slopes get their gradient")
+    refusal = pattern.refusal(impl)
+    if refusal:
+        raise EinattnError(refusal)
     if impl == "chunked":  # checked already: not a second time
         return {"Z": chunked.attend(Q, K, V, M, pattern, block_size, dropout)}
     return {"Z": flex.attention(Q, K, V, M, pattern)}
 
 
 def _sdpa(Q, K, V, mask, pattern, dropout: float) -> torch.Tensor:
-    (n, μ, L_q, _), (_, g, L_k, _) = Q.shape, K.shape
+    (_, μ, L_q, _), (_, g, L_k, _) = Q.shape, K.shape
     # top-left = bottom-right; an `if`, not bool(): under dynamic shapes L_q == L_k is a
     # SymBool that SDPA refuses, and a branch makes dynamo guard on it instead
     is_causal = True if pattern.causal_only and mask is None and L_q == L_k else False
     if (pattern.masks or pattern.scores) and not is_causal:  # folded into SDPA's mask
-        at = patterns.grid(n, μ, L_q, L_k, Q.device)
+        at = pattern.grid()
         bias = pattern.bias(at)  # in ≥ float32; SDPA takes a float mask in Q's dtype
         mask = masks.combine(mask, pattern.allowed(at), None if bias is None
                              else bias.to(Q.dtype))
@@ -140,7 +129,7 @@ def masked_nonfinite_dropped(run, Q, K, V, M, pattern, stages: dict) -> dict:
     n, n_heads, L_q, L_k = Q.shape[0], Q.shape[1], Q.shape[2], K.shape[2]
     allowed = torch.ones(L_q, L_k, dtype=torch.bool, device=Q.device)
     if pattern.masks:
-        allowed = allowed & pattern.allowed(patterns.grid(n, n_heads, L_q, L_k, Q.device))
+        allowed = allowed & pattern.allowed(pattern.grid())
     if M is not None:
         allowed = allowed & (M if M.dtype == torch.bool else M != float("-inf"))
     bad = bad.repeat_interleave(n_heads // K.shape[1], dim=1)[:, :, None, :]  # [n μ 1 σ]

@@ -1,139 +1,136 @@
-"""Attention patterns: the terms of equation (3) besides the scores and the user's mask.
+"""Attention patterns: the pieces of equation (3) besides the scores and the user's mask.
 
     A[n μ τ σ] = softmax_σ( cap(S[n μ τ σ]) + B[μ τ σ] + M[n μ τ σ] )     (3)
 
-with, optionally, a sink logit ``s_μ`` in the softmax's denominator. ``τ' = τ + L_k − L_q``
-is query τ's position among the keys (bottom-right alignment, as ``causal`` has it).
+with, optionally, a sink logit ``s_μ`` in the softmax's denominator. A piece is free of
+shapes and reads positions: ``τ'``, query τ's position among the keys (``τ + L_k − L_q``
+by default, bottom-right, as ``causal`` has it), and ``σ``, a key's.
 
-Each pattern is one piece below, and each piece has its four faces together:
+Each pattern is one piece below, with its faces together (the protocol:
+:mod:`einattn._piece`):
 
 * ``LATEX``: its case formula, as docs/derivation.md shows it;
 * one function of the indices, ``allowed(n, μ, τ, σ)`` for a piece of the mask ``M`` or
-  ``score(S, n, μ, τ, σ)`` for a term of the scores, written in torch operations only, so
-  that the same function gives the dense form (on broadcast ``arange`` grids), one tile's
-  form (on the tile's grids) and FlexAttention's ``mask_mod`` / ``score_mod`` (on the
-  scalars FlexAttention maps it over);
-* ``judge(size)``: for a tile of queries × keys, from its first and last indices (and, for
-  documents, each block's least and greatest id), whether some key may be seen and
-  whether every one is, so that the chunked path skips the empty tiles and the mask work
-  on the full ones.
+  ``score(S, n, μ, τ, σ)`` for a term of the scores, in torch operations only, so that it
+  is the dense form (on broadcast ``arange`` grids), one tile's form (on the tile's grids)
+  and FlexAttention's ``mask_mod`` / ``score_mod`` (on the scalars it maps it over);
+* ``judge(frame, size)``: for a tile of queries × keys, from its first and last positions
+  (and, for documents, each block's least and greatest id), whether some key may be seen
+  and whether every one is, so that the chunked path skips the empty tiles and the mask
+  work on the full ones, and FlexAttention's BlockMask needs no ``L_q × L_k`` evaluation;
+* ``keys(frame, τ0, τ1)``, its reach: the keys a block of queries may see at most.
 
-A new pattern (a prefix-LM mask, relative-position buckets) is one more class with these
-faces, and one line in :func:`build` that adds it from its option.
+Mask pieces compose with ``&``, ``|`` and ``~``; ``pattern=`` (on
+:func:`einattn.functional.attention`, ``multi_head_attention`` and the layer) takes one
+piece or a sequence of them, and the keyword shorthands (``causal=``, ``window=``, ...)
+build the same pieces in :func:`pieces_of`. A pattern of one's own is a
+:class:`MaskMod` (FlexAttention's ``mask_mod``), a :class:`ScoreMod` (its ``score_mod``)
+or a :class:`Mask` (an index predicate such as ``"σ ≤ τ ∧ τ − σ < w"``); a new named piece
+is one more class here with the faces above.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
+from ._binding import Pattern, bind
+from ._piece import Frame, Grid, MaskPiece, ScorePiece, grid
 from .errors import EinattnError
-from .masks import alibi_slopes
 from .notation import Equation
 
-
-class Grid(NamedTuple):
-    """The indices ``n, μ, τ, σ`` as integer tensors shaped to broadcast to
-    ``(n, μ, τ, σ)``; :meth:`tile` takes one tile's rows and columns."""
-
-    n: torch.Tensor
-    mu: torch.Tensor
-    tau: torch.Tensor
-    sigma: torch.Tensor
-
-    def tile(self, tau: slice, sigma: slice) -> Grid:
-        return Grid(self.n, self.mu, self.tau[:, :, tau], self.sigma[:, :, :, sigma])
-
+__all__ = ["SINK", "SINK_LATEX", "ALiBi", "Causal", "Documents", "Grid", "MaskPiece", "Pattern",
+           "ScorePiece", "Sinks", "Softcap", "Window", "alibi_slopes", "bind", "build",
+           "check_softcap", "check_window", "grid", "pieces_of"]
 
 # -- pieces of the mask M: a predicate over (n, μ, τ, σ) --------------------------------------
 
 
 @dataclass(frozen=True)
-class Causal:
+class Causal(MaskPiece):
     """Query τ sees the keys up to its own position: ``σ ≤ τ'``."""
 
-    shift: int  # L_k − L_q
     LATEX = r"M^{\text{causal}}_{\tau\sigma} = \begin{cases} 0 & \sigma \le \tau' \\ -\infty & \text{otherwise} \end{cases}"  # noqa: E501
+    diagonal = True
+    is_causal = True
 
     def allowed(self, n, mu, tau, sigma):
-        return sigma <= tau + self.shift
+        return sigma <= tau
 
-    def judge(self, size: int):
-        return self.block
+    def judge(self, frame: Frame, size: int):
+        return self.tile
 
-    def block(self, t0: int, t1: int, s0: int, s1: int) -> tuple[bool, bool]:
-        """For the tile of queries ``t0..t1`` × keys ``s0..s1`` (last ones included):
-        whether some key may be seen, and whether every one is."""
-        return s0 <= t1 + self.shift, s1 <= t0 + self.shift
+    @staticmethod
+    def tile(t0: int, t1: int, s0: int, s1: int) -> tuple[bool, bool]:
+        """For the tile of query positions ``t0..t1`` × keys ``s0..s1`` (last ones
+        included): whether some key may be seen, and whether every one is."""
+        return s0 <= t1, s1 <= t0
 
-    def keys(self, t0: int, t1: int) -> tuple[int, int]:
-        """The keys that the queries ``t0..t1`` may see lie in this range (ends included)."""
-        return 0, t1 + self.shift
+    def keys(self, frame: Frame, t0: int, t1: int) -> tuple:
+        return None, t1
 
-    def first_row(self, sigma0: int) -> int:
-        """The first query that sees key ``σ0``: a tile's rows above it see none of its keys."""
-        return sigma0 - self.shift
+    def first_row(self, s0: int) -> int:
+        return s0
 
 
 @dataclass(frozen=True)
-class Window:
-    """A sliding window of ``w`` keys: with ``causal``, ``τ' − w < σ`` (the causal piece
-    bounds it above: w keys, τ' itself included); without, ``|τ' − σ| < w``."""
+class Window(MaskPiece):
+    """A band of keys around each query: ``|τ' − σ| < w`` (``2w − 1`` keys); with
+    :class:`Causal` (``Causal() & Window(w)``, or ``causal=True, window=w``) the ``w``
+    keys ``τ' − w < σ ≤ τ'``, itself included."""
 
     w: int
-    shift: int
-    causal: bool
-    LATEX = r"M^{\text{window}}_{\tau\sigma} = \begin{cases} 0 & \tau' - \sigma < w \text{ with causal, } |\tau' - \sigma| < w \text{ without} \\ -\infty & \text{otherwise} \end{cases}"  # noqa: E501
+    LATEX = r"M^{\text{window}}_{\tau\sigma} = \begin{cases} 0 & |\tau' - \sigma| < w \\ -\infty & \text{otherwise} \end{cases}"  # noqa: E501
+    diagonal = True
+
+    def __post_init__(self) -> None:
+        check_window(self.w)
 
     def allowed(self, n, mu, tau, sigma):
-        d = tau + self.shift - sigma  # how far key σ lies behind query τ'
-        return d < self.w if self.causal else d.abs() < self.w
+        return (tau - sigma).abs() < self.w
 
-    def judge(self, size: int):
-        return self.block
+    def judge(self, frame: Frame, size: int):
+        return self.tile
 
-    def keys(self, t0: int, t1: int) -> tuple[int, int]:
-        return t0 + self.shift - self.w + 1, t1 + self.shift + (0 if self.causal else self.w - 1)
-
-    def block(self, t0: int, t1: int, s0: int, s1: int) -> tuple[bool, bool]:
-        near, far = t0 + self.shift - s1, t1 + self.shift - s0  # the least and greatest d
-        if self.causal:
-            return near < self.w, far < self.w
+    def tile(self, t0: int, t1: int, s0: int, s1: int) -> tuple[bool, bool]:
+        near, far = t0 - s1, t1 - s0  # the least and greatest τ' − σ of the tile
         return near < self.w and far > -self.w, far < self.w and near > -self.w
+
+    def keys(self, frame: Frame, t0: int, t1: int) -> tuple:
+        return t0 - self.w + 1, t1 + self.w - 1
 
 
 @dataclass(frozen=True, eq=False)
-class Documents:
+class Documents(MaskPiece):
     """Packed sequences: τ sees σ only within its own document, ``d[n τ'] = d[n σ]``."""
 
-    ids: torch.Tensor  # d[n σ], one id per key; the queries' are the last L_q
-    shift: int
+    ids: torch.Tensor  # d[n σ], one id per key position; the queries' are theirs
     LATEX = r"M^{\text{doc}}_{n\tau\sigma} = \begin{cases} 0 & d_{n\tau'} = d_{n\sigma} \\ -\infty & \text{otherwise} \end{cases}"  # noqa: E501
+    diagonal = True
+    static = False  # its judgement reads the ids
 
     def allowed(self, n, mu, tau, sigma):
-        return self.ids[n, tau + self.shift] == self.ids[n, sigma]
+        return self.ids[n, tau] == self.ids[n, sigma]
 
-    def judge(self, size: int):
+    def bound(self, frame: Frame, dtype: torch.dtype) -> Documents:
+        return Documents(_checked_ids(self.ids, frame))
+
+    def judge(self, frame: Frame, size: int):
         """Per tile: empty where no two ids of its rows and columns can be equal (their
         ranges lie apart, for every n); full where all of them are one id. Under
         ``torch.compile``, which cannot read the ids' values, every tile is partial."""
-        if torch.compiler.is_compiling():
-            return _partial
-        q_lo, q_hi = _block_range(self.ids[:, self.shift:], size)  # (n, T_q)
-        k_lo, k_hi = _block_range(self.ids, size)  # (n, T_k)
+        if torch.compiler.is_compiling() or type(frame.q0) is not int:
+            return super().judge(frame, size)
+        q0, k0 = frame.q0, frame.k0
+        q_lo, q_hi = _block_range(self.ids[:, q0:q0 + frame.L_q], size)  # (n, T_q)
+        k_lo, k_hi = _block_range(self.ids[:, k0:k0 + frame.L_k], size)  # (n, T_k)
         q_lo, q_hi, k_lo, k_hi = q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None], k_hi[:, None]
         some = ((q_lo <= k_hi) & (k_lo <= q_hi)).any(0).tolist()
         every = ((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all(0).tolist()
-        return lambda t0, t1, s0, s1: (some[t0 // size][s0 // size],
-                                       every[t0 // size][s0 // size])
-
-
-def _partial(t0: int, t1: int, s0: int, s1: int) -> tuple[bool, bool]:
-    return True, False
+        return lambda t0, t1, s0, s1: (some[(t0 - q0) // size][(s0 - k0) // size],
+                                       every[(t0 - q0) // size][(s0 - k0) // size])
 
 
 def _block_range(ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,41 +147,78 @@ def _block_range(ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tens
 
 
 @dataclass(frozen=True)
-class Softcap:
+class Softcap(ScorePiece):
     """Logit softcapping (Gemma 2): ``cap(S) = c · tanh(S / c)``, on the scaled scores."""
 
     c: float
     CAP = Equation("C[n μ τ σ] = c · tanh(S[n μ τ σ] / c)")  # C = cap(S)
     LATEX = CAP.latex()
-    ADDITIVE = False  # a function of S, not a term added to it
+    STAGE = 0  # a function of S, not a term added to it
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "c", check_softcap(self.c))
 
     def score(self, S, n, mu, tau, sigma):
         if S.ndim == 4:  # the dense form and a tile's: S[n μ τ σ]
             return self.CAP(S=S, c=self.c)
         return self.c * torch.tanh(S / self.c)  # FlexAttention's scalars: CAP's arithmetic
 
-    def grad(self, S, dS):
+    def grad(self, S, dS, n, mu, tau, sigma):
         """``∂L/∂S`` from ``∂L/∂cap(S)``: ``dS · (1 − tanh²(S / c))``."""
         return dS * (1 - torch.tanh(S / self.c) ** 2)
 
 
 @dataclass(frozen=True, eq=False)
-class ALiBi:
-    """Attention with linear biases (BLOOM, MPT): ``B[μ τ σ] = −m_μ · |τ' − σ|``."""
+class ALiBi(ScorePiece):
+    """Attention with linear biases (BLOOM, MPT): ``B[μ τ σ] = −m_μ · |τ' − σ|``, with
+    the slopes ``m[μ]`` given or BLOOM's for the call's heads (:func:`alibi_slopes`)."""
 
-    slopes: torch.Tensor  # m[μ]
-    shift: int
+    slopes: torch.Tensor | None = None  # m[μ]
     LATEX = r"B_{\mu\tau\sigma} = -m_\mu \left|\tau' - \sigma\right|"
-    ADDITIVE = True  # S + B: SDPA takes B as its float mask
+    STAGE = 1
+    additive = True  # S + B: SDPA takes B as its float mask
 
     def score(self, S, n, mu, tau, sigma):
         return S + self.bias(n, mu, tau, sigma)
 
     def bias(self, n, mu, tau, sigma):
-        return -self.slopes[mu] * (tau + self.shift - sigma).abs()
+        return -self.slopes[mu] * (tau - sigma).abs()
 
-    def grad(self, S, dS):
+    def grad(self, S, dS, n, mu, tau, sigma):
         return dS
+
+    def bound(self, frame: Frame, dtype: torch.dtype) -> ALiBi:
+        """The slopes in at least float32, as the scores are."""
+        dtype = torch.promote_types(dtype, torch.float32)
+        if self.slopes is None:
+            return ALiBi(alibi_slopes(frame.n_heads, dtype=dtype, device=frame.device))
+        what = "True (BLOOM's slopes) or a float tensor of slopes m[μ]"
+        return ALiBi(_per_head(self.slopes, "alibi", what, frame).to(dtype))
+
+    def tile_refusal(self, impl: str) -> str | None:
+        if not (torch.is_grad_enabled() and self.slopes.requires_grad):
+            return None
+        return (f"impl={impl!r} takes ALiBi's slopes as constants, but this alibi tensor "
+                f"requires grad (learned slopes): use impl='einsum' or 'sdpa', whose slopes "
+                f"get their gradient")
+
+
+def alibi_slopes(n_heads: int, *, dtype=torch.float32, device=None) -> torch.Tensor:
+    """ALiBi's slopes ``m[μ]``, as BLOOM and MPT draw them: for ``h`` a power of two the
+    geometric sequence ``m_μ = 2^(−8 (μ + 1) / h)``; otherwise those of the largest power of
+    two ``h' < h``, then every other slope of ``2 h'`` heads (the odd ones) for the rest.
+
+    >>> alibi_slopes(4)
+    tensor([0.2500, 0.0625, 0.0156, 0.0039])
+    """
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise EinattnError(f"n_heads must be a positive int, got {n_heads!r}")
+
+    def geometric(h: int) -> torch.Tensor:
+        return 2.0 ** (-8.0 * torch.arange(1, h + 1, dtype=torch.float64) / h)
+    h = 1 << (n_heads.bit_length() - 1)
+    slopes = torch.cat([geometric(h), geometric(2 * h)[0::2][:n_heads - h]])
+    return slopes.to(dtype=dtype, device=device)
 
 
 # -- the sink: one more logit in the softmax's denominator ---------------------------------------
@@ -196,136 +230,62 @@ SINK_LATEX = SINK.latex()
 
 
 @dataclass(frozen=True, eq=False)
-class Pattern:
-    """The pieces of one call's equation (3): mask pieces, score terms in the order they
-    apply (the cap, then B), and the sink logits ``s[μ]`` (or None)."""
+class Sinks:
+    """A sink logit ``s[μ]`` per head (gpt-oss): one more term in each row's denominator,
+    :data:`SINK`, so that rows sum to less than one."""
 
-    masks: tuple = ()
-    scores: tuple = ()
-    sinks: torch.Tensor | None = None
+    s: torch.Tensor
+    KIND = "sink"
 
-    @property
-    def only_masks(self) -> bool:
-        """Whether the pattern only masks: no score term, no sink."""
-        return len(self.scores) == 0 and self.sinks is None
+    def latex(self) -> str:
+        return SINK_LATEX
 
-    @property
-    def learned_slopes(self) -> bool:
-        """Whether ALiBi's slopes are a tensor that wants a gradient (learned slopes)."""
-        return torch.is_grad_enabled() and any(
-            isinstance(piece, ALiBi) and piece.slopes.requires_grad for piece in self.scores)
-
-    @property
-    def additive(self) -> bool:
-        """Whether every score term is a bias added to S (no cap) and there is no sink:
-        then the pattern is a mask and a bias, which SDPA takes as its float mask."""
-        return self.sinks is None and all(piece.ADDITIVE for piece in self.scores)
-
-    def bias(self, at: Grid) -> torch.Tensor | None:
-        """``B`` at the indices ``at``: the additive terms summed (None: no term)."""
-        B = None
-        for piece in self.scores:
-            B = piece.bias(*at) if B is None else B + piece.bias(*at)
-        return B
-
-    @property
-    def causal_only(self) -> bool:
-        return self.only_masks and len(self.masks) == 1 and isinstance(self.masks[0], Causal)
-
-    def allowed(self, at: Grid) -> torch.Tensor | None:
-        """The mask pieces and-ed at the indices ``at``: True = may attend (None: no piece)."""
-        ok = None
-        for piece in self.masks:
-            here = piece.allowed(*at)
-            ok = here if ok is None else ok & here
-        return ok
-
-    def scored(self, S: torch.Tensor, at: Grid) -> torch.Tensor:
-        """``cap(S) + B`` at the indices ``at`` (S itself without score terms)."""
-        for piece in self.scores:
-            S = piece.score(S, *at)
-        return S
-
-    def score_grad(self, S: torch.Tensor, dS: torch.Tensor, at: Grid) -> torch.Tensor:
-        """``∂L/∂S`` from ``∂L/∂(cap(S) + B)``, the chain rule through the terms backwards."""
-        inputs = []
-        for piece in self.scores:
-            inputs.append(S)
-            S = piece.score(S, *at)
-        for piece, S_in in zip(reversed(self.scores), reversed(inputs), strict=True):
-            dS = piece.grad(S_in, dS)
-        return dS
-
-    def tiles(self, L_q: int, L_k: int, size: int):
-        """``(τ0, τ1, σ0, σ1, partial)`` for each tile of queries ``[τ0, τ1)`` × keys
-        ``[σ0, σ1)`` that the mask pieces leave some key of; ``partial``: not every one.
-        A window's rows are judged only within its reach: O(L·w) tiles, not O(L²)."""
-        judges = [piece.judge(size) for piece in self.masks]
-        causal = next((piece for piece in self.masks if isinstance(piece, Causal)), None)
-        ranges = [piece.keys for piece in self.masks if hasattr(piece, "keys")]
-        tiles = []
-        for t0 in range(0, L_q, size):
-            t1 = min(t0 + size, L_q)
-            lo, hi = 0, L_k - 1  # only the key blocks within every piece's reach are judged
-            for keys in ranges:
-                piece_lo, piece_hi = keys(t0, t1 - 1)
-                lo, hi = max(lo, piece_lo), min(hi, piece_hi)
-            for s0 in range(lo // size * size, hi + 1, size):
-                s1 = min(s0 + size, L_k)
-                some, every = True, True
-                for judge in judges:
-                    piece_some, piece_every = judge(t0, t1 - 1, s0, s1 - 1)
-                    some, every = some and piece_some, every and piece_every
-                if some:  # a causal tile starts at its first row that sees one of its keys
-                    first = t0 if causal is None else max(t0, causal.first_row(s0))
-                    tiles.append((first, t1, s0, s1, not every))
-        return tiles
+    def bound(self, frame: Frame, dtype: torch.dtype) -> Sinks:
+        return Sinks(_per_head(self.s, "sinks", "a float tensor of sink logits s[μ]", frame))
 
 
-def grid(n: int, n_heads: int, L_q: int, L_k: int, device) -> Grid:
-    """Every index of ``S[n μ τ σ]``, each on its own axis (made once per sizes and device
-    outside ``torch.compile``: four ``arange`` cost 15 µs, a small part of a short call)."""
-    if torch.compiler.is_compiling():
-        return _grid(n, n_heads, L_q, L_k, device)
-    return _cached_grid(n, n_heads, L_q, L_k, torch.device(device or "cpu"))
+# -- the keyword shorthands, and what pattern= takes ---------------------------------------------
 
 
-def _grid(n: int, n_heads: int, L_q: int, L_k: int, device) -> Grid:
-    def along(size: int, axis: int) -> torch.Tensor:
-        shape = [1, 1, 1, 1]
-        shape[axis] = size
-        return torch.arange(size, device=device).view(shape)
-    return Grid(along(n, 0), along(n_heads, 1), along(L_q, 2), along(L_k, 3))
+def pieces_of(pattern=None, *, causal: bool = False, window=None, softcap=None, alibi=False,
+              sinks=None, document_ids=None) -> tuple:
+    """The pieces of one call: those the keyword shorthands name (each meaning what its
+    keyword does), then ``pattern`` (one piece or a sequence of them)."""
+    pieces = []
+    if causal:
+        pieces.append(Causal())
+    if window is not None:
+        pieces.append(Window(window))
+    if document_ids is not None:
+        pieces.append(Documents(document_ids))
+    if softcap is not None:
+        pieces.append(Softcap(softcap))
+    if alibi is not None and alibi is not False:
+        pieces.append(ALiBi(None if alibi is True else alibi))
+    if sinks is not None:
+        pieces.append(Sinks(sinks))
+    if pattern is not None:
+        pieces += _given(pattern)
+    return tuple(pieces)
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_grid(n: int, n_heads: int, L_q: int, L_k: int, device) -> Grid:
-    with torch.inference_mode(False):  # ordinary tensors, whatever mode made them first
-        return _grid(n, n_heads, L_q, L_k, device)
+def _given(pattern) -> list:
+    """``pattern=`` as a list of pieces, each checked to be one."""
+    given = list(pattern) if isinstance(pattern, (list, tuple)) else [pattern]
+    for piece in given:
+        if getattr(piece, "KIND", None) not in ("mask", "score", "sink"):
+            raise EinattnError(f"pattern takes pieces of einattn.patterns (Causal(), "
+                               f"Window(w), MaskMod(fn), ScoreMod(fn), Mask('σ ≤ τ'), ...) "
+                               f"or a sequence of them, got {type(piece).__name__}")
+    return given
 
 
 def build(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dtype, device,
-          causal: bool = False, window=None, softcap=None, alibi=False, sinks=None,
-          document_ids=None) -> Pattern:
-    """The pattern of one call, its options checked (each error names its option)."""
-    shift, device = L_k - L_q, torch.device(device)
-    masks = []
-    if causal and L_q > 1:  # one query aligned bottom-right sees every key
-        masks.append(Causal(shift))
-    if window is not None:
-        masks.append(Window(check_window(window), shift, bool(causal)))
-    if document_ids is not None:
-        masks.append(Documents(_checked_ids(document_ids, n, L_q, L_k, device), shift))
-    scores = []
-    if softcap is not None:
-        scores.append(Softcap(check_softcap(softcap)))
-    if alibi is not None and alibi is not False:  # slopes in at least float32, as S is
-        slopes = _checked_slopes(alibi, n_heads, torch.promote_types(dtype, torch.float32),
-                                 device)
-        scores.append(ALiBi(slopes, shift))
-    if sinks is not None:
-        sinks = _checked_sinks(sinks, n_heads, device)
-    return Pattern(tuple(masks), tuple(scores), sinks)
+          pattern=None, **keywords) -> Pattern:
+    """The pattern of one call from the keyword shorthands and ``pattern``, bound to its
+    sizes (each error names its option)."""
+    return bind(pieces_of(pattern, **keywords), n=n, n_heads=n_heads, L_q=L_q, L_k=L_k,
+                dtype=dtype, device=torch.device(device))
 
 
 def check_window(window) -> int:
@@ -345,7 +305,8 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
-def _checked_ids(ids, n: int, L_q: int, L_k: int, device) -> torch.Tensor:
+def _checked_ids(ids, frame: Frame) -> torch.Tensor:
+    n, L_q, L_k = frame.n, frame.L_q, frame.L_k
     if L_q > L_k:
         raise EinattnError(f"document_ids needs the queries among the keys (L_q ≤ L_k, the "
                            f"queries being the last L_q): got L_q={L_q} queries and "
@@ -358,29 +319,19 @@ def _checked_ids(ids, n: int, L_q: int, L_k: int, device) -> torch.Tensor:
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise EinattnError(f"document_ids must hold integers (one id per document), got "
                            f"{ids.dtype}")
-    if ids.device != device:
-        raise EinattnError(f"document_ids is on {ids.device} but the scores are on {device}")
+    if ids.device != frame.device:
+        raise EinattnError(f"document_ids is on {ids.device} but the scores are on "
+                           f"{frame.device}")
     return ids
 
 
-def _checked_slopes(alibi, n_heads: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """``m[μ]``: BLOOM's slopes for ``alibi=True``, or the given tensor checked."""
-    if alibi is True:
-        return alibi_slopes(n_heads, dtype=dtype, device=device)
-    what = "True (BLOOM's slopes) or a float tensor of slopes m[μ]"
-    return _per_head(alibi, "alibi", what, n_heads, device).to(dtype)
-
-
-def _checked_sinks(sinks, n_heads: int, device) -> torch.Tensor:
-    return _per_head(sinks, "sinks", "a float tensor of sink logits s[μ]", n_heads, device)
-
-
-def _per_head(t, name: str, what: str, n_heads: int, device) -> torch.Tensor:
-    """``t`` itself, once it is a float tensor of one value per head on ``device``."""
+def _per_head(t, name: str, what: str, frame: Frame) -> torch.Tensor:
+    """``t`` itself, once it is a float tensor of one value per head on the call's device."""
+    n_heads = frame.n_heads
     if not isinstance(t, torch.Tensor) or t.shape != (n_heads,) or not t.is_floating_point():
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
         raise EinattnError(f"{name} must be {what} of shape (n_heads,) = ({n_heads},), "
                            f"got {got}")
-    if t.device != device:
-        raise EinattnError(f"{name} is on {t.device} but the scores are on {device}")
+    if t.device != frame.device:
+        raise EinattnError(f"{name} is on {t.device} but the scores are on {frame.device}")
     return t

@@ -21,8 +21,9 @@ each block's share of the gradients is the chunked path's tile backward
 ``dK`` and ``dV`` travel with their block and are back with its owner after R steps.
 
 The pattern of equation (3) is the whole sequence's, per pair of chunks: for query chunk
-i and key chunk j of length c, every piece aligned at ``τ' = τ + (i − j)·c``
-(:meth:`Terms.at`). Under causal attention an earlier key chunk is wholly visible, the same
+i and key chunk j of length c, its pieces bound to the queries' positions ``i·c …`` and the
+keys' ``j·c …`` (:meth:`einattn.patterns.Pattern.at`), as one process would see them. Under
+causal attention an earlier key chunk is wholly visible, the same
 chunk is causal within itself, and a later one is skipped, as is a chunk wholly outside a
 sliding window. A sink ``s_μ`` starts each row's merge at ``lse = s_μ``, ``Z = 0``.
 With ``layout="contiguous"`` rank k holds chunk k of R, and so rank R − 1 does R pairs of
@@ -34,8 +35,6 @@ See docs/distributed.md.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -87,40 +86,18 @@ def positions(rank: int, world: int, L_local: int, layout: str) -> torch.Tensor:
     return torch.cat([torch.arange(j * c, (j + 1) * c) for j in held])
 
 
-@dataclass(frozen=True, eq=False)
-class Terms:
-    """The pattern of equation (3) the ring applies, in the sequence's own positions:
-    ``causal``, a sliding ``window`` of w keys, a ``softcap`` c, ALiBi's ``slopes`` m[μ]."""
-
-    causal: bool = False
-    window: int | None = None
-    softcap: float | None = None
-    slopes: torch.Tensor | None = None
-
-    def at(self, shift: int) -> patterns.Pattern:
-        """The pattern of a pair of chunks whose queries start ``shift`` positions after its
-        keys: every piece with ``τ' = τ + shift``, as :func:`einattn.patterns.build` aligns
-        a call's queries after its keys."""
-        masks = (patterns.Causal(shift),) if self.causal else ()
-        if self.window is not None:
-            masks += (patterns.Window(self.window, shift, self.causal),)
-        scores = () if self.softcap is None else (patterns.Softcap(self.softcap),)
-        if self.slopes is not None:
-            scores += (patterns.ALiBi(self.slopes, shift),)
-        return patterns.Pattern(masks, scores)
-
-
-def pairs(q_chunks, k_chunks, c: int, terms: Terms) -> list:
+def pairs(q_chunks, k_chunks, c: int, pattern: patterns.Pattern) -> list:
     """``(q, k, pattern)`` for each query chunk q and key chunk k (positions in the ranks'
-    lists of chunks of length ``c``) of which some query sees some key: under causal, an
-    earlier key chunk (whole), the same chunk (causally); a later one is skipped, and so is
-    a chunk wholly outside a window."""
+    lists of chunks of length ``c``) of which some query sees some key, with ``pattern``
+    (the whole sequence's) bound to the pair: under causal, an earlier key chunk (whole),
+    the same chunk (causally); a later one is skipped, and so is a chunk wholly outside a
+    window."""
     out = []
     for q, i in enumerate(q_chunks):
         for k, j in enumerate(k_chunks):
-            pattern = terms.at((i - j) * c)
-            if all(piece.judge(c)(0, c - 1, 0, c - 1)[0] for piece in pattern.masks):
-                out.append((q, k, pattern))
+            pair = pattern.at(i * c, c, j * c, c)
+            if pair.sees_any():
+                out.append((q, k, pair))
     return out
 
 
@@ -177,23 +154,27 @@ def _wait(requests) -> None:
 
 
 def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
-              key_padding_mask: torch.Tensor | None, ring: Ring, *, terms: Terms,
-              sinks: torch.Tensor | None, block_size: int) -> torch.Tensor:
+              key_padding_mask: torch.Tensor | None, ring: Ring, *, pieces: tuple,
+              block_size: int) -> torch.Tensor:
     """This rank's ``Z[n μ τ a]``: its queries against every rank's keys and values, as
-    one process would compute it over the whole sequence with the pattern ``terms`` and
-    the sink logits ``sinks`` ``s[μ]``; differentiable (the backward pass goes round the
-    ring too). ``key_padding_mask``: this rank's ``(n, L_local)``, True = padding. Under
-    ``torch.autocast`` Q, K, V are cast to its dtype first and the ring runs outside it, as
-    the chunked path does, so that its backward recomputes the forward's numbers."""
+    one process would compute it over the whole sequence with the ``pieces`` of equation
+    (3) in the sequence's positions (a sink's logits ``s[μ]`` included); differentiable (the
+    backward pass goes round the ring too). ``key_padding_mask``: this rank's
+    ``(n, L_local)``, True = padding. Under ``torch.autocast`` Q, K, V are cast to its dtype
+    first and the ring runs outside it, as the chunked path does, so that its backward
+    recomputes the forward's numbers."""
     padding = None if key_padding_mask is None else \
         key_padding_mask.to(torch.uint8).contiguous()  # what is sent must be contiguous
+    L = Q.shape[2] * ring.world
     low = _autocast.dtype(Q.device)
+    whole = patterns.bind(pieces, n=Q.shape[0], n_heads=Q.shape[1], L_q=L, L_k=L,
+                          dtype=Q.dtype if low is None else low, device=Q.device)
+    how = (ring, whole, block_size)
     if low is None:
-        return _RingAttention.apply(Q, K.contiguous(), V.contiguous(), padding, sinks,
-                                    (ring, terms, block_size))
+        return _RingAttention.apply(Q, K.contiguous(), V.contiguous(), padding, whole.sinks, how)
     with torch.autocast(Q.device.type, enabled=False):  # the same numbers forward, backward
         return _RingAttention.apply(Q.to(low), K.to(low).contiguous(), V.to(low).contiguous(),
-                                    padding, sinks, (ring, terms, block_size))
+                                    padding, whole.sinks, how)
 
 
 def _slices(L_local: int, n_held: int) -> list[slice]:
@@ -206,12 +187,12 @@ def _mask(padding, sigma: slice):
     return None if padding is None else (padding[:, None, None, sigma] == 0)
 
 
-def _schedule(ring: Ring, step: int, L_local: int, terms: Terms) -> list:
+def _schedule(ring: Ring, step: int, L_local: int, whole: patterns.Pattern) -> list:
     """``(τ slice, σ slice, pattern)`` for each pair of chunks that attend at ``step``."""
     mine, theirs = chunks(ring.rank, ring.world, ring.layout), ring.chunks_of(step)
     rows, cols = _slices(L_local, len(mine)), _slices(L_local, len(theirs))
     c = L_local // len(mine)
-    return [(rows[q], cols[k], p) for q, k, p in pairs(mine, theirs, c, terms)]
+    return [(rows[q], cols[k], p) for q, k, p in pairs(mine, theirs, c, whole)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -233,11 +214,11 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(dZ.device.type, enabled=False):
             dQ, dK, dV = _backward(Q, K, V, padding, Z, lse, dZ, *ctx.how)
         D = (dZ.to(Z.dtype) * Z).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z
-        return dQ, dK, dV, None, chunked._sink_grad(sinks, lse, D), None
+        return dQ, dK, dV, None, chunked.sink_grad(sinks, lse, D), None
 
 
-def _forward(Q, K, V, padding, sinks, ring: Ring, terms: Terms, block_size: int):
-    acc = chunked._accumulator(Q.dtype)
+def _forward(Q, K, V, padding, sinks, ring: Ring, whole: patterns.Pattern, block_size: int):
+    acc = chunked.accumulator(Q.dtype)
     Z = Q.new_zeros((*Q.shape[:3], V.shape[3]), dtype=acc)
     lse = Q.new_full(Q.shape[:3], -_INF, dtype=acc)
     if sinks is not None:  # the sink: one more logit s_μ, whose value is zero
@@ -246,8 +227,8 @@ def _forward(Q, K, V, padding, sinks, ring: Ring, terms: Terms, block_size: int)
     for step in range(ring.world):
         following, requests = ring.pass_on(block) if step < ring.world - 1 else (None, [])
         K_b, V_b, pad_b = (*block, None)[:3]
-        for tau, sigma, pattern in _schedule(ring, step, Q.shape[2], terms):
-            Z_p, lse_p = chunked._forward(Q[:, :, tau], K_b[:, :, sigma], V_b[:, :, sigma],
+        for tau, sigma, pattern in _schedule(ring, step, Q.shape[2], whole):
+            Z_p, lse_p = chunked.forward(Q[:, :, tau], K_b[:, :, sigma], V_b[:, :, sigma],
                                           _mask(pad_b, sigma), pattern, block_size)
             Z[:, :, tau], lse[:, :, tau] = merge(Z[:, :, tau], lse[:, :, tau], Z_p.to(acc),
                                                  lse_p)
@@ -256,16 +237,17 @@ def _forward(Q, K, V, padding, sinks, ring: Ring, terms: Terms, block_size: int)
     return Z, lse
 
 
-def _backward(Q, K, V, padding, Z, lse, dZ, ring: Ring, terms: Terms, block_size: int):
-    acc = chunked._accumulator(Q.dtype)
+def _backward(Q, K, V, padding, Z, lse, dZ, ring: Ring, whole: patterns.Pattern,
+              block_size: int):
+    acc = chunked.accumulator(Q.dtype)
     dQ = torch.zeros(Q.shape, dtype=acc, device=Q.device)
     block = [t for t in (K, V, padding) if t is not None]
     grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (K, V)]  # dK_b, dV_b
     for step in range(ring.world):
         following, requests = ring.pass_on(block) if step < ring.world - 1 else (None, [])
         K_b, V_b, pad_b = (*block, None)[:3]
-        for tau, sigma, pattern in _schedule(ring, step, Q.shape[2], terms):
-            dQ_p, dK_p, dV_p, _, _ = chunked._backward(
+        for tau, sigma, pattern in _schedule(ring, step, Q.shape[2], whole):
+            dQ_p, dK_p, dV_p, _, _ = chunked.backward(
                 Q[:, :, tau], K_b[:, :, sigma], V_b[:, :, sigma], Z[:, :, tau],
                 lse[:, :, tau], _mask(pad_b, sigma), dZ[:, :, tau], pattern, block_size,
                 mask_grad=False)

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import chunked, ring
+from . import chunked, patterns, ring
 
 QKV = {"Q": "n μ τ a", "K": "n μ σ a", "V": "n μ σ a"}
 BLOCK = 2  # the tiles inside each pair: several per chunk
@@ -45,12 +45,12 @@ def causal_textbook(Q, K, V):
     return _softmax_attention(Q, K, V, causal=True)
 
 
-_WHOLE = ring.Terms().at(0)  # no pattern: every key of the set
-
-
-def _partial(Q, K, V, keys: slice, pattern=_WHOLE):
-    """``(Z, lse)`` of the queries over the keys ``keys`` alone."""
-    return chunked._forward(Q, K[:, :, keys], V[:, :, keys], None, pattern, BLOCK)
+def _partial(Q, K, V, keys: slice, pattern=None):
+    """``(Z, lse)`` of the queries over the keys ``keys`` alone (no pattern: every one)."""
+    K, V = K[:, :, keys], V[:, :, keys]
+    pattern = pattern or patterns.build(n=Q.shape[0], n_heads=Q.shape[1], L_q=Q.shape[2],
+                                        L_k=K.shape[2], dtype=Q.dtype, device=Q.device)
+    return chunked.forward(Q, K, V, None, pattern, BLOCK)
 
 
 def merged_halves(Q, K, V):
@@ -81,12 +81,13 @@ def on_the_ring(Q, K, V, *, world: int = 2, layout: str = "zigzag", order=None):
     sequence order."""
     c = Q.shape[2] // ring.n_chunks(world, layout)
     Z, lse = torch.zeros_like(Q), torch.full(Q.shape[:3], -math.inf, dtype=Q.dtype)
+    causal = patterns.build(n=Q.shape[0], n_heads=Q.shape[1], L_q=Q.shape[2], L_k=K.shape[2],
+                            dtype=Q.dtype, device=Q.device, causal=True)
     for rank in range(world):
         mine = ring.chunks(rank, world, layout)
         for other in range(world):
             theirs = ring.chunks(other, world, layout)
-            for q, k, pattern in ring.pairs(*(order or _global)(mine, theirs), c,
-                                            ring.Terms(causal=True)):
+            for q, k, pattern in ring.pairs(*(order or _global)(mine, theirs), c, causal):
                 rows, cols = (slice(j * c, (j + 1) * c) for j in (mine[q], theirs[k]))
                 Z[:, :, rows], lse[:, :, rows] = ring.merge(
                     Z[:, :, rows], lse[:, :, rows], *_partial(Q[:, :, rows], K, V, cols, pattern))

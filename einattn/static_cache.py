@@ -6,13 +6,10 @@ makes the length symbolic after its second call). Here every call sees the same 
 the storage holds ``max_length`` positions from the first call, the number filled so far
 is a tensor ``f`` (no Python number changes from step to step), a call writes its ``L``
 keys and values at positions ``f … f + L − 1`` (``index_copy_``), and attention runs over
-all ``max_length`` positions, with the mask
-
-    M[τ σ] = 0 where σ ≤ f + τ (causal; without causal, σ < f + L), −∞ elsewhere
-
-which hides the positions not filled yet and aligns the causal rule at the queries'
-positions ``f + τ``; RoPE turns the queries and keys at those positions. The work per
-step is that of ``max_length`` keys, whatever the number filled: the price of one shape.
+all ``max_length`` positions, those not filled yet being padding, the queries at positions
+``f … f + L − 1`` (:meth:`StaticKVCache.seen_by`): the causal piece reads them as it reads
+any position, ``σ ≤ τ'``, and RoPE turns the queries and keys there. The work per step is
+that of ``max_length`` keys, whatever the number filled: the price of one shape.
 """
 
 from __future__ import annotations
@@ -155,17 +152,11 @@ class StaticKVCache:
         self.padding = torch.ones(n, self.max_length, dtype=torch.bool, device=K.device)
         self.filled = torch.zeros((), dtype=torch.long, device=K.device)
 
-    def masked(self, L: int, mask, causal: bool, terms: dict | None) -> tuple:
-        """``(mask, causal, terms)`` of a call of ``L`` queries over every position, once
-        appended: ``M`` as a bool mask ``(τ, σ)``, key σ ≤ f + τ (causal) or σ < f + L, with
-        f counted before them. (A mask or terms of the caller's would be aligned with
-        positions it cannot see: :meth:`check_call` refused them.)"""
-        sigma = torch.arange(self.max_length, device=self.K.device)
-        if not causal:
-            return (sigma < self.filled).expand(L, self.max_length), False, None
-        first = self.filled - L  # this call's first position
-        return sigma[None, :] <= first + torch.arange(L, device=self.K.device)[:, None], \
-            False, None
+    def seen_by(self, L: int) -> tuple[tuple, torch.Tensor]:
+        """What the ``L`` queries of a call attend with, once appended: no piece of its own
+        (the positions not filled are padding), and their first position ``f − L``, with
+        ``f`` counted after them: a tensor, which the pieces read as they read any index."""
+        return (), self.filled - L
 
 
 def _past_the_end(where: torch.Tensor, V: torch.Tensor, max_length: int):

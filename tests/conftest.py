@@ -106,8 +106,8 @@ FLEX_CPU = "FlexAttention's CPU kernels alone have no backward"
 
 def whole(impl: str) -> bool:
     """Whether a layer with gradients compiles to one graph (``fullgraph=True``): chunked's
-    Function breaks it before torch 2.13 (:data:`einattn.chunked._TRACEABLE`)."""
-    return impl != "chunked" or chunked._TRACEABLE
+    Function breaks it before torch 2.13 (:data:`einattn.chunked.TRACEABLE`)."""
+    return impl != "chunked" or chunked.TRACEABLE
 
 
 def here() -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import TOL, assert_close_scaled, randn
 
-from einattn import EinattnError, MultiHeadAttention, chunked, masks
+from einattn import EinattnError, MultiHeadAttention, chunked, masks, patterns
 from einattn import functional as F
 
 F64, F32 = torch.float64, torch.float32
@@ -216,14 +216,12 @@ PATTERNS = {"window": dict(window=5), "softcap": dict(softcap=1.5), "alibi": dic
 def test_split_keys_take_every_pattern(name, L_q, monkeypatch):
     """Causal with each term of equation (3): a window's band alone is read (its reach), a
     sink is one more block, documents and ALiBi are evaluated over the reach."""
-    from einattn import patterns
-
     Q, K, V = qkv(L_q, 37, requires_grad=False)
     pattern = patterns.build(n=N, n_heads=MU, L_q=L_q, L_k=37, dtype=F64, device=Q.device,
                              causal=True, **PATTERNS[name])
     want = chunked._dense(Q, K, V, None, pattern)
     monkeypatch.setattr(chunked, "_tiled_forward", tiles_refused)
-    got, lse = chunked._forward(Q, K, V, None, pattern, 8)
+    got, lse = chunked.forward(Q, K, V, None, pattern, 8)
     assert_close_scaled(got, want, TOL[F64])
     assert torch.isfinite(lse).all()
 
@@ -232,9 +230,10 @@ def test_split_keys_of_a_row_with_no_key_give_zeros_and_minus_infinity():
     Q, K, V = qkv(2, 11, requires_grad=False)
     mask = torch.ones(2, 11, dtype=torch.bool)
     mask[1] = False
-    Z, lse = chunked._forward(Q, K, V, masks.as_nmts(mask, name="mask", n=N, n_heads=MU,
-                                                      L_q=2, L_k=11, dtype=F64),
-                              chunked._patterns.Pattern(), 4)
+    Z, lse = chunked.forward(Q, K, V, masks.as_nmts(mask, name="mask", n=N, n_heads=MU,
+                                                     L_q=2, L_k=11, dtype=F64),
+                             patterns.build(n=N, n_heads=MU, L_q=2, L_k=11, dtype=F64,
+                                            device=Q.device), 4)
     assert torch.equal(Z[:, :, 1], torch.zeros_like(Z[:, :, 1]))
     assert (lse[:, :, 1] == float("-inf")).all() and torch.isfinite(lse[:, :, 0]).all()
 
@@ -488,7 +487,7 @@ def test_compiles_to_one_graph_forward_and_backward():
     def f(Q, K, V, mask):
         return chunked.attention(Q, K, V, mask=mask, causal=True, block_size=4)
 
-    compiled = torch.compile(f, fullgraph=chunked._TRACEABLE, backend="aot_eager")
+    compiled = torch.compile(f, fullgraph=chunked.TRACEABLE, backend="aot_eager")
     Z, Z_ref = compiled(Q, K, V, mask), f(Q, K, V, mask)
     assert_close_scaled(Z, Z_ref, TOL[F64])
     dZ = randn(*Z.shape, seed=3)
@@ -502,7 +501,7 @@ def test_compiles_to_one_graph_forward_and_backward():
 def test_before_torch_2_13_the_function_runs_outside_the_graph(monkeypatch):
     """Where dynamo's traced backward is not trusted (torch < 2.13: 3.0 off on 2.11), the
     Function breaks the graph: gradients exact without fullgraph, fullgraph refused."""
-    monkeypatch.setattr(chunked, "_TRACEABLE", False)
+    monkeypatch.setattr(chunked, "TRACEABLE", False)
     torch._dynamo.reset()
     Q, K, V = qkv(7, 9)
 

@@ -11,6 +11,7 @@ and no more; BLOOM, Gemma 2, gpt-oss and FlexAttention's own mods agree; bad opt
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 import warnings
@@ -543,7 +544,7 @@ def test_tiles_against_a_dense_evaluation(case, L_q, L_k, size):
         opts["document_ids"] = documents(L_k, kind=opts["document_ids"], seed=L_q)
     may = allowed_keys(N, L_q, L_k, **opts)[:, 0]  # may[n τ σ]
     tiles = patterns.build(n=N, n_heads=MU, L_q=L_q, L_k=L_k, dtype=F64,
-                           device=torch.get_default_device(), **opts).tiles(L_q, L_k, size)
+                           device=torch.get_default_device(), **opts).tiles(size)
     named = {(t0 // size, s0 // size) for t0, _, s0, _, _ in tiles}
     assert len(named) == len(tiles)  # no tile twice
     for t0, t1, s0, s1, partial in tiles:
@@ -827,6 +828,16 @@ ERRORS = {
         *qkv(7, 11, requires_grad=False), impl="flex", sinks=randn(MU, seed=5,
                                                                    requires_grad=True)),
         r"impl='flex' has no backward on the CPU"),
+    "alibi-slopes-heads": (lambda: masks.alibi_slopes(0), r"n_heads must be a positive int, "
+                                                          r"got 0"),
+    "pattern-not-a-piece": (_call(pattern=[patterns.Causal(), "window"]),
+                            r"pattern takes pieces of einattn.patterns \(Causal\(\), Window\(w\), "
+                            r".*or a sequence of them, got str"),
+    "and-not-a-mask": (lambda: patterns.Causal() & patterns.Softcap(2.0),
+                       r"& composes pieces of the mask M \(Causal\(\), Window\(w\), .*got Softcap"),
+    "two-sinks": (_call(sinks=torch.zeros(MU, dtype=F64),
+                        pattern=patterns.Sinks(torch.ones(MU, dtype=F64))),
+                  r"a pattern has one sink logit s\[μ\] per head: got two"),
     "flex-dropout": (_call(impl="flex", causal=True, dropout=0.1),
                      r"impl='flex' has no dropout \(got dropout=0.1\); use impl='chunked' "
                      r"\(the same tiles, with dropout\), 'einsum' or 'sdpa'"),
@@ -868,13 +879,14 @@ def test_flex_without_flex_attention_or_dynamo(monkeypatch):
         _call(impl="flex")()
 
 
-def test_every_raise_site_in_patterns_py_is_reached():
-    """Every ``raise`` in einattn/patterns.py is reached by a row here or in
-    tests/test_bad_inputs.py (STYLE §4)."""
-    source = Path(patterns.__file__).resolve()
+@pytest.mark.parametrize("module", ["patterns", "_piece", "_binding"])
+def test_every_raise_site_in_patterns_py_is_reached(module):
+    """Every ``raise`` in einattn/patterns.py (and the pieces' protocol and binding) is
+    reached by a row here or in tests/test_bad_inputs.py (STYLE §4)."""
+    source = Path(importlib.import_module(f"einattn.{module}").__file__).resolve()
     reached = reached_lines([*ERRORS.values(), *BAD.values()], source)
     missing = sorted(_raise_lines(source) - reached)
-    assert not missing, f"raise sites in patterns.py with no test: lines {missing}"
+    assert not missing, f"raise sites in {module}.py with no test: lines {missing}"
 
 
 

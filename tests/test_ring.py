@@ -253,9 +253,11 @@ def test_merge_equals_the_softmax_over_both_sets_of_keys():
 
 def causal_tiles(R: int, layout: str, L: int, block_size: int) -> list[int]:
     """The tiles of ``block_size`` each rank computes under causal attention over ``L``."""
-    c, terms = L // ring.n_chunks(R, layout), ring.Terms(causal=True)
-    return [sum(len(p.tiles(c, c, block_size)) for k in range(R) for _, _, p in
-                ring.pairs(ring.chunks(rank, R, layout), ring.chunks(k, R, layout), c, terms))
+    c = L // ring.n_chunks(R, layout)
+    causal = patterns.build(n=1, n_heads=1, L_q=L, L_k=L, dtype=torch.float64, device="cpu",
+                            causal=True)
+    return [sum(len(p.tiles(block_size)) for k in range(R) for _, _, p in
+                ring.pairs(ring.chunks(rank, R, layout), ring.chunks(k, R, layout), c, causal))
             for rank in range(R)]
 
 
@@ -271,14 +273,18 @@ def test_zigzag_balances_causal_work(R):
 def test_pairs_follow_the_chunks_global_order():
     """Query chunks (1, 2) against key chunks (2, 0) of 4 positions: causal skips (1, 2);
     a window of 3 keys also skips (2, 0), 5 to 11 positions behind; each pair's pieces are
-    the pattern at τ' = τ + (i − j)·c."""
-    causal, window = ring.Terms(causal=True), ring.Terms(causal=True, window=3)
+    the sequence's, bound to the queries' positions i·c … and the keys' j·c …, and a piece
+    that masks nothing in a pair (causal, for an earlier chunk of keys) is dropped there."""
+    def whole(**options):
+        return patterns.build(n=1, n_heads=1, L_q=12, L_k=12, dtype=torch.float64,
+                              device="cpu", **options)
+    causal, window = whole(causal=True), whole(causal=True, window=3)
     assert [(q, k) for q, k, _ in ring.pairs((1, 2), (2, 0), 4, causal)] == \
         [(0, 1), (1, 0), (1, 1)]
     assert [(q, k) for q, k, _ in ring.pairs((1, 2), (2, 0), 4, window)] == [(0, 1), (1, 0)]
-    assert len(ring.pairs((1, 2), (2, 0), 4, ring.Terms())) == 4
+    assert len(ring.pairs((1, 2), (2, 0), 4, whole())) == 4
     (_, _, p), *_ = ring.pairs((1, 2), (2, 0), 4, window)
-    assert p.masks == (patterns.Causal(4), patterns.Window(3, 4, True))
+    assert p.masks == (patterns.Window(3),) and (p.frame.q0, p.frame.k0) == (4, 0)
 
 
 SINGLE_PROCESS_ERRORS = {

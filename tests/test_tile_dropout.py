@@ -24,6 +24,12 @@ def _inputs(L_q, L_k, g=G, seed=0):
     return Q, K, V
 
 
+def _plain(Q, K):
+    """The pattern with no piece, bound to the sizes of Q and K."""
+    return patterns.build(n=Q.shape[0], n_heads=Q.shape[1], L_q=Q.shape[2], L_k=K.shape[2],
+                          dtype=Q.dtype, device=Q.device)
+
+
 CASES = {  # name -> (L_q, L_k, block_size, pattern options, float mask)
     "plain": (13, 11, 4, {}, False),
     "causal": (17, 17, 5, {"causal": True}, False),
@@ -89,7 +95,7 @@ def _kept(p, seed, L_q=300, L_k=200, block_size=64):
     K = randn(N, G, L_k, A, seed=1)
     V = torch.eye(L_k, dtype=F64).expand(N, G, L_k, L_k)
     torch.manual_seed(seed)
-    Z = chunked.attend(Q, K, V, None, patterns.Pattern(), block_size, dropout=p)
+    Z = chunked.attend(Q, K, V, None, _plain(Q, K), block_size, dropout=p)
     kept = Z * L_k * (1 - p)
     assert torch.all((kept == 0) | ((kept - 1).abs() < 1e-12))  # 0 or 1/(1 − p), nothing else
     return kept == 1 if p < 1 else kept != 0
@@ -163,7 +169,7 @@ def test_torch_func_transforms_refuse_the_tiles_dropout():
     with pytest.raises(EinattnError, match=r"impl='chunked' draws its dropout \(got "
                                            r"dropout=0.1\) per tile, which torch.func's "
                                            r"transforms cannot run: use impl='einsum'"):
-        torch.func.vmap(lambda q: chunked.attend(q, K, V, None, patterns.Pattern(), 4,
+        torch.func.vmap(lambda q: chunked.attend(q, K, V, None, _plain(q, K), 4,
                                                  dropout=0.1))(Q[None])
 
 
