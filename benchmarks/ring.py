@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from einattn import MultiHeadAttention, patterns, ring
 from einattn import parallel as par
-from einattn.bench.memory import _peak_growth
+from einattn.bench.memory import peak_growth
 
 n, d_model, heads, kv_heads, block = 1, 1024, 16, 4, 256
 
@@ -61,7 +61,7 @@ def worker(rank: int, R: int, port: int, L: int, layout: str, out) -> None:
     def step():
         layer(x).sum().backward()
 
-    growth = _peak_growth(step)["growth_bytes"]
+    growth = peak_growth(step)["growth_bytes"]
     out.put((rank, growth, tiles(rank, R, layout, L)))
     dist.destroy_process_group()
 

@@ -1,5 +1,6 @@
 """einattn: multi-head attention written as its index-notation math."""
 
+from . import chunked, flex, functional, patterns  # noqa: F401 (loaded by `import einattn`)
 from .cache import KVCache
 from .errors import EinattnError
 from .module import MultiHeadAttention

@@ -212,17 +212,3 @@ def _fits(storage: torch.Tensor, K: torch.Tensor) -> bool:
 
 def _no_padding(n: int, L: int, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros(n, L, dtype=torch.bool, device=like.device)
-
-
-def check_cache(cache, context) -> None:
-    """``cache`` is a :class:`KVCache` or a :class:`~einattn.static_cache.StaticKVCache`,
-    used for self-attention."""
-    from .static_cache import StaticKVCache
-
-    if not isinstance(cache, (KVCache, StaticKVCache)):
-        raise EinattnError(f"cache must be an einattn.KVCache or StaticKVCache, got "
-                           f"{type(cache).__name__}")
-    if context is not None:
-        raise EinattnError("a KVCache holds self-attention's keys and values; with a context "
-                           "they would be appended again on every call: drop the cache or the "
-                           "context")

@@ -13,242 +13,44 @@ Grouped-query attention (``n_kv_heads`` groups g of r query heads, ``μ = (g r)`
     (2g) S[n (g r) τ σ] = Q[n (g r) τ a] K[n g σ a] / √a
     (4g) Z[n (g r) τ a] = A[n (g r) τ σ] V[n g σ a]
 
-Each function below runs its equation; :func:`multi_head_attention` composes them.
+Each stage is a function of :mod:`einattn.equations`, which runs its equation, re-exported
+here; :func:`attention` and :func:`multi_head_attention` are the functional forms of the
+layer, equations (2)–(4) and (1)–(5) with every option as a keyword, composed by
+:mod:`einattn.composition` from one :class:`~einattn.spec.Spec` made per call.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import _autocast, _softmax, layouts, rotary
-from . import cross as _cross
-from . import masks as _masks
-from . import paths as _paths
-from . import patterns as _patterns
-from ._checks import IMPLS as IMPLS  # the names of the impls, kept here as before
-from ._checks import check_floating, check_options, check_scale
-from .cache import KVCache, check_cache
-from .errors import EinattnError
-from .notation import Equation
+from . import composition
+from ._checks import IMPLS, refuse_is_causal
+from .cache import KVCache
+from .equations import (
+    HEAD_TERMS,
+    HEADS,
+    PROJECT,
+    PROJECT_GQA,
+    SCORES,
+    SCORES_GQA,
+    SOFTMAX,
+    VALUES,
+    VALUES_GQA,
+    attention_scores,
+    check_qkv,
+    combine_heads,
+    head_contributions,
+    masked_softmax,
+    open_fused,
+    project_qkv,
+    weighted_values,
+)
+from .spec import Spec
 
-PROJECT = Equation("P[n τ μ B a] = X[n τ i] W[(μ B a) i]")
-SCORES = Equation("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a")
-SOFTMAX = Equation("A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[n μ τ σ])")
-VALUES = Equation("Z[n μ τ a] = A[n μ τ σ] V[n μ σ a]")
-HEADS = Equation("Y[n τ i] = Z[n μ τ a] W_O[μ a i]")
-HEAD_TERMS = Equation("Y_μ[n μ τ i] = Z[n μ τ a] W_O[μ a i]")
-PROJECT_GQA = Equation("P[n τ g C a] = X[n τ i] W[(g C a) i]")
-SCORES_GQA = Equation("S[n (g r) τ σ] = Q[n (g r) τ a] K[n g σ a] / √a")
-VALUES_GQA = Equation("Z[n (g r) τ a] = A[n (g r) τ σ] V[n g σ a]")
-
-
-def open_fused(W: torch.Tensor, n_heads: int, n_kv_heads: int | None = None) -> torch.Tensor:
-    """View the fused weight ``W[(g C a) i]`` as ``W[g C a i]`` after checking its rows
-    (``W[(μ B a) i]`` as ``W[μ B a i]`` without grouping)."""
-    return _opened(W, *_fused_groups(W, n_heads, n_kv_heads))
-
-
-def _opened(W: torch.Tensor, g: int, r: int) -> torch.Tensor:
-    """``W[(g C a) i]`` as ``W[g C a i]``, for rows already checked against ``(g, r)``."""
-    return torch.unflatten(W, 0, (g, r + 2, -1))
-
-
-def _fused_groups(W, n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:
-    """``(g, r)`` for a fused weight whose rows have been checked against them."""
-    if not isinstance(W, torch.Tensor) or W.ndim != 2:
-        shape = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
-        raise EinattnError(f"W must be 2-D W[(μ B a) i], got {shape}")
-    g, r = layouts.groups(n_heads, n_kv_heads)
-    if W.shape[0] % (g * (r + 2)):
-        layout = "W[(μ B a) i] needs μ·B·a" if r == 1 else "W[(g C a) i] needs g·C·a"
-        raise EinattnError(
-            f"W has {W.shape[0]} rows; {layout} rows with {_counts(g, r)}, "
-            f"so a multiple of {g * (r + 2)}")
-    return g, r
-
-
-def _counts(g: int, r: int) -> str:
-    return f"μ={g}, B=3" if r == 1 else f"g={g}, C=r+2={r + 2}"
-
-
-def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
-                n_kv_heads: int | None = None, b: torch.Tensor | None = None,
-                context: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Equation (1): queries, keys and values of every head in one contraction.
-
-    ``P[n τ μ B a] = X[n τ i] W[(μ B a) i] (+ b[(μ B a)])``; B runs over Q, K, V. With a
-    ``context``, Q is projected from ``x`` and K, V from ``context`` (cross-attention).
-    With ``n_kv_heads`` it is (1g), ``P[n τ g C a] = X[n τ i] W[(g C a) i]``: Q has
-    ``n_heads`` heads ``μ = (g r)``, K and V have ``n_kv_heads``.
-
-    >>> Q, K, V = project_qkv(torch.randn(2, 5, 16), torch.randn(48, 16), n_heads=4)
-    >>> tuple(Q.shape), tuple(K.shape)
-    ((2, 4, 5, 4), (2, 4, 5, 4))
-    """
-    g, r = _fused_groups(W, n_heads, n_kv_heads)
-    b3 = None if b is None else _open_bias(b, g, r + 2, W.shape[0] // (g * (r + 2)))
-    if context is None:  # W as it lies: the matmul reads W[(g C a) i] as an nn.Linear weight
-        P = PROJECT(X=x, W=W, μ=g, B=3) if r == 1 else PROJECT_GQA(X=x, W=W, g=g, C=r + 2)
-        return _slots(P if b3 is None else P + b3, r, 1, 1)
-    _cross.check_same_width(x, context)
-    W4 = _opened(W, g, r)  # W[g C a i], to take Q's rows apart from K's, V's
-    (Q,) = _slots(_project(x, W4[:, :r], None if b3 is None else b3[:, :r], r > 1), r)
-    K, V = _slots(_project(context, W4[:, r:], None if b3 is None else b3[:, r:], r > 1), 1, 1)
-    return Q, K, V
-
-
-def _project(x: torch.Tensor, W4: torch.Tensor, b3: torch.Tensor | None,
-             grouped: bool) -> torch.Tensor:
-    """Equation (1) or (1g) over some of the slots of ``W[g C a i]`` (sizes read from it)."""
-    P = (PROJECT_GQA if grouped else PROJECT)(X=x, W=W4)
-    return P if b3 is None else P + b3
-
-
-def _slots(P: torch.Tensor, *counts: int) -> tuple[torch.Tensor, ...]:
-    """Split ``P[n τ g C a]`` along C into parts of ``counts`` slots, each as ``[n (g r) τ a]``:
-    views of P, except grouped Q, whose ``(g r)`` is not contiguous in P (``flatten`` copies)."""
-    if max(counts) == 1:  # why two ways: docs/performance.md, "How the fast paths are fast"
-        if not P.requires_grad:
-            return P.permute(*_SLOTS_FIRST).unbind(0)
-        return tuple([part.transpose(1, 2) for part in P.unbind(3)])
-    return tuple([part.permute(*_HEADS_FIRST).flatten(1, 2)
-                  for part in P.split_with_sizes(counts, dim=3)])
-
-
-def _axes(pattern: str) -> tuple[int, ...]:
-    """The ``permute`` argument of an einops-style pattern such as ``"x y -> y x"``."""
-    have, want = (side.split() for side in pattern.split("->"))
-    return tuple(have.index(index) for index in want)
-
-
-_HEADS_FIRST = _axes("n τ g r a -> n g r τ a")  # then (g r) flattened into μ
-_SLOTS_FIRST = _axes("n τ g C a -> C n g τ a")  # then unbound along C
-
-
-def _open_bias(b: torch.Tensor, g: int, C: int, d_head: int) -> torch.Tensor:
-    """``b[(g C a)]`` as ``b[g C a]``, which broadcasts over ``P[n τ g C a]``. Under
-    autocast it is added in P's dtype, as ``nn.Linear``'s bias is."""
-    if not isinstance(b, torch.Tensor):
-        raise EinattnError(f"b must be a torch.Tensor, got {type(b).__name__}")
-    if b.shape != (g * C * d_head,):
-        layout = "b[(μ B a)]" if C == 3 else "b[(g C a)]"
-        raise EinattnError(f"b has shape {tuple(b.shape)} but {layout} needs "
-                           f"({g * C * d_head},) with {_counts(g, C - 2)}, a={d_head}")
-    return _in_autocast_dtype(b.view(g, C, d_head))
-
-
-def _in_autocast_dtype(b: torch.Tensor) -> torch.Tensor:
-    """A bias in the dtype it is added in: autocast's where it is on, its own elsewhere."""
-    low = _autocast.dtype(b.device)
-    return b if low is None else b.to(low)
-
-
-def check_qkv(Q, K, V) -> None:
-    """Q, K, V are ``Q[n μ τ a]``, ``K[n g σ a]``, ``V[n g σ a]`` whose sizes agree by index
-    (``g`` dividing ``μ``), checked before any backend sees them."""
-    for name, t, indices in (("Q", Q, "n μ τ a"), ("K", K, "n g σ a"), ("V", V, "n g σ a")):
-        if not isinstance(t, torch.Tensor) or t.ndim != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise EinattnError(f"{name} must be 4-D {name}[{indices}], got {shape}")
-        check_floating(name, t)
-    if not torch.compiler.is_compiling():  # checked eagerly, as an Equation's sizes are:
-        SCORES_GQA.sizes(Q=Q, K=K)  # n and a agree, g divides μ; errors show (2g)
-    for index, axis in (("n", 0), ("g", 1), ("σ", 2)):
-        if V.shape[axis] != K.shape[axis]:
-            raise EinattnError(f"index {index!r} has size {V.shape[axis]} in V but "
-                               f"{K.shape[axis]} in K: every key K[n g σ a] needs its value "
-                               f"V[n g σ a]")
-
-
-def attention_scores(Q: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
-    """Equation (2): ``S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a``; with fewer key heads than
-    query heads, (2g): ``S[n (g r) τ σ] = Q[n (g r) τ a] K[n g σ a] / √a``.
-
-    >>> attention_scores(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 3, 4))
-    tensor([[[[2., 2., 2.],
-              [2., 2., 2.]]]])
-    """
-    if Q.shape[1:2] == K.shape[1:2]:
-        return SCORES(Q=Q, K=K)
-    return SCORES_GQA(Q=Q, K=K)
-
-
-def masked_softmax(S: torch.Tensor, mask: torch.Tensor | None = None, *,
-                   every_row_sees_a_key: bool = False,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Equation (3): ``A[n μ τ σ] = softmax_σ(S[n μ τ σ] + M[n μ τ σ])``.
-
-    ``mask`` is boolean (True = may attend) or float (added to the scores). A query row
-    with no admissible key gives exact zeros and zero gradients: its scores are set to 0
-    before the softmax and its weights to 0 after, never a finite sentinel. NaN in an
-    admissible score still propagates. ``every_row_sees_a_key=True`` is the caller's
-    promise that no row is fully masked (a causal mask with ``L_q ≤ L_k`` and nothing
-    else): the two passes over S that guard such rows are then skipped. ``sinks`` ``s[μ]``
-    (S being ``S[n μ τ σ]``) adds one logit to each row's denominator,
-    ``A = exp(S'_σ) / (exp(s_μ) + Σ_σ' exp(S'_σ'))``: rows sum to less than one, and a
-    fully masked row is zeros. A float mask runs :data:`SOFTMAX` itself; the other forms
-    run :func:`einattn._softmax.masked`, the same contract (tests/test_functional.py).
-
-    >>> masked_softmax(torch.zeros(2, 2), torch.tensor([[True, True], [False, False]]))
-    tensor([[0.5000, 0.5000],
-            [0.0000, 0.0000]])
-    """
-    check_floating("S", S)
-    if sinks is not None:
-        return _softmax.with_sink(S, mask, sinks)
-    if _as_written(S, mask, every_row_sees_a_key):
-        return SOFTMAX(S=S, M=mask.expand(S.shape))
-    return _softmax.masked(S, mask, every_row_sees_a_key)  # the same numbers, for what
-    # SOFTMAX does not take: no mask, a boolean one, a promise, S not S[n μ τ σ]
-
-
-def _as_written(S: torch.Tensor, mask: torch.Tensor | None, every_row_sees_a_key: bool) -> bool:
-    """Whether (3) runs as written: a float mask M of S's dtype and device that broadcasts
-    to ``S[n μ τ σ]`` (a view of it is then ``M[n μ τ σ]``)."""
-    if mask is None or every_row_sees_a_key or S.ndim != 4 or mask.ndim > 4:
-        return False
-    sizes = zip(mask.shape[::-1], S.shape[::-1], strict=False)  # broadcast from the last axis
-    return mask.dtype == S.dtype and mask.device == S.device and all(m in (1, s) for m, s in sizes)
-
-
-def weighted_values(A: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """Equation (4): ``Z[n μ τ a] = A[n μ τ σ] V[n μ σ a]``; with fewer value heads than
-    query heads, (4g): ``Z[n (g r) τ a] = A[n (g r) τ σ] V[n g σ a]``.
-
-    >>> weighted_values(torch.full((1, 1, 1, 2), 0.5), torch.tensor([[[[1.0], [3.0]]]]))
-    tensor([[[[2.]]]])
-    """
-    if A.shape[1:2] == V.shape[1:2]:
-        return VALUES(A=A, V=V)
-    return VALUES_GQA(A=A, V=V)
-
-
-def combine_heads(Z: torch.Tensor, W_O: torch.Tensor,
-                  b_O: torch.Tensor | None = None) -> torch.Tensor:
-    """Equation (5): ``Y[n τ i] = Z[n μ τ a] W_O[μ a i] (+ b_O[i])``.
-
-    The sum over μ replaces "concatenate the heads, then apply a linear layer".
-
-    >>> combine_heads(torch.ones(1, 2, 1, 3), torch.ones(2, 3, 4)).shape
-    torch.Size([1, 1, 4])
-    """
-    Y = HEADS(Z=Z, W_O=W_O)
-    _check_b_O(b_O, W_O)
-    return Y if b_O is None else Y + _in_autocast_dtype(b_O)
-
-
-def _check_b_O(b_O, W_O: torch.Tensor) -> None:
-    if b_O is not None and tuple(b_O.shape) != (W_O.shape[-1],):
-        raise EinattnError(f"b_O has shape {tuple(b_O.shape)} but b_O[i] needs "
-                           f"({W_O.shape[-1]},), the size of index 'i' in W_O")
-
-
-def head_contributions(Z: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
-    """Equation (5a), each head's share of the output before the sum over μ:
-    ``Y_μ[n μ τ i] = Z[n μ τ a] W_O[μ a i]``; summed over μ it gives equation (5)."""
-    return HEAD_TERMS(Z=Z, W_O=W_O)
+__all__ = ["HEADS", "HEAD_TERMS", "IMPLS", "PROJECT", "PROJECT_GQA", "SCORES", "SCORES_GQA",
+           "SOFTMAX", "VALUES", "VALUES_GQA", "attention", "attention_scores", "check_qkv",
+           "combine_heads", "head_contributions", "masked_softmax", "multi_head_attention",
+           "open_fused", "project_qkv", "weighted_values"]
 
 
 def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
@@ -279,12 +81,13 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     >>> attention(Q, K, V, causal=True, window=3, softcap=30.0).shape
     torch.Size([1, 4, 6, 8])
     """
-    check_options(impl, dropout, block_size, is_causal)
+    spec = Spec(impl, block_size, dropout, scale, window=window, softcap=softcap,
+                pattern=pattern)
+    refuse_is_causal(is_causal)
     check_qkv(Q, K, V)
-    pieces = _patterns.pieces_of(pattern, causal=causal, window=window, softcap=softcap,
-                                 alibi=alibi, sinks=sinks, document_ids=document_ids)
-    stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, mask, pieces, dropout,
-                        impl, block_size, need_weights)
+    pieces = composition.call_pieces(spec, composition.Call(causal=causal), alibi, sinks,
+                                     document_ids)
+    stages = composition.attention(Q, K, V, spec, mask, key_padding_mask, pieces, need_weights)
     return (stages["Z"], stages["A"]) if need_weights else stages["Z"]
 
 
@@ -339,104 +142,11 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     >>> Y.shape
     torch.Size([2, 5, 16])
     """
-    check_options(impl, dropout, block_size, is_causal)
-    if cache is not None:
-        check_cache(cache, context)
-    Q, K, V = _projected(x, W, b, context, W_KV, b_KV, n_heads, n_kv_heads, W_O)
-    pieces = _patterns.pieces_of(pattern, causal=causal, window=window, softcap=softcap,
-                                 alibi=alibi, sinks=sinks,
-                                 document_ids=document_ids if cache is None else None)
-    if cache is not None:  # every check that can be made before the cache is touched
-        _check_cached_call(cache, Q, W_O, b_O, mask, len(pieces) > bool(causal), positions,
-                           document_ids)
-    positions, offset = (positions, 0) if cache is None or rope is None else \
-        cache.placed(positions, x.shape[1], x.device)
-    Q, K = rotary.turned(Q, K, (rope, rope_base, rope_scaling, rotary_dim), positions,
-                         offset=offset, cross=context is not None)
-    # run's arguments by position (why: docs/performance.md, "How the fast paths are fast")
-    how = (mask, pieces, dropout, impl, block_size, need_weights or return_intermediates)
-    seen = (need_weights, return_intermediates)
-    if cache is None:
-        stages = _paths.run(_scaled(Q, scale), K, V, key_padding_mask, *how)
-        return _outputs(Q, K, V, stages, W_O, b_O, *seen)
-    with cache.undo_on_error():  # a call that raises adds nothing to the cache
-        K, V, stages = _cached(cache, _scaled(Q, scale), K, V, key_padding_mask, document_ids,
-                               how)
-        return _outputs(Q, K, V, stages, W_O, b_O, *seen)
-
-
-def _outputs(Q, K, V, stages: dict, W_O, b_O, need_weights: bool, return_intermediates: bool):
-    """Equation (5) and what the caller asked for: ``Y``, ``(Y, A)`` or ``(Y, stages)``."""
-    Y = combine_heads(stages["Z"], W_O, b_O)
-    if return_intermediates:  # Q itself: s · √a is folded into (2)–(4)'s copy only
-        return Y, {"Q": Q, "K": K, "V": V, **stages,
-                   "Y_μ": head_contributions(stages["Z"], W_O), "Y": Y}
-    return (Y, stages["A"]) if need_weights else Y
-
-
-def _check_cached_call(cache, Q, W_O, b_O, mask, pattern: bool, positions,
-                       document_ids) -> None:
-    """What a call with a cache is refused for, checked before the cache is touched: what the
-    cache does not take, and the output weights of equation (5)."""
-    cache.check_call(Q.shape[2], mask=mask, pattern=pattern, positions=positions,
-                     document_ids=document_ids)
-    if not torch.compiler.is_compiling():
-        HEADS.sizes(Z=Q.shape, W_O=W_O)  # Z[n μ τ a] has the sizes of Q[n μ τ a]
-    _check_b_O(b_O, W_O)
-
-
-def _cached(cache, Q, K, V, key_padding_mask, document_ids, how: tuple):
-    """K, V and (2)–(4) with a cache: this call's K and V join it and the queries attend
-    over what it holds, with what it adds to the pattern (the documents of every cached
-    key) and its queries' positions (the count filled before them, in a StaticKVCache)."""
-    K, V, key_padding_mask = cache.append(K, V, key_padding_mask, document_ids)
-    mask, pieces, *rest = how
-    added, q0 = cache.seen_by(Q.shape[2])
-    return K, V, _paths.run(Q, K, V, key_padding_mask, mask, pieces + added, *rest, q0=q0)
-
-
-def _projected(x, W, b, context, W_KV, b_KV, n_heads: int, n_kv_heads, W_O):
-    """Q, K, V by (1), or (1q) and (1kv) given ``W_KV``; then ``W_O`` must write x's width."""
-    check_floating("x", x)
-    QKV = (project_qkv(x, W, n_heads=n_heads, n_kv_heads=n_kv_heads, b=b, context=context)
-           if W_KV is None else _cross.project(x, W, context, W_KV, n_heads=n_heads,
-                                               n_kv_heads=n_kv_heads, b_Q=b, b_KV=b_KV))
-    if W_O.ndim == 3 and W_O.shape[-1] != x.shape[-1]:
-        raise EinattnError(f"index 'i' has size {W_O.shape[-1]} in W_O but {x.shape[-1]} in x: "
-                           f"Y[n τ i] must have the model width of X[n τ i]")
-    return QKV
-
-
-def _scaled(Q: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """Q with ``s · √a`` folded in, so that equation (2)'s ``/ √a`` gives ``S = s · Q K``."""
-    return Q if scale is None else Q * (check_scale(scale) * math.sqrt(Q.shape[-1]))
-
-
-def _einsum_stages(Q, K, V, M, pattern, dropout: float,
-                   scratch: bool) -> dict[str, torch.Tensor]:
-    """Equations (2)–(4) as written, with the terms of (3) from ``pattern``: S, A (after
-    dropout, as applied) and Z. With ``scratch`` nobody sees S or A, so the softmax may
-    spend S's storage (then "S" holds A). Float16 and bfloat16 scores, mask and softmax
-    are float32 (as SDPA's are): a score past 65504 or a ``−1e4`` mask added in half
-    precision would lose the row."""
-    at = pattern.grid()
-    no_dead_row = pattern.no_dead_row(M)
-    M = _masks.combine(M, None if at is None else pattern.allowed(at))
-    half = Q.dtype in _HALF
-    if half:
-        with torch.autocast(Q.device.type, enabled=False):  # S itself never rounded to half
-            S = attention_scores(Q.float(), K.float())
-    else:
-        S = attention_scores(Q, K)
-    logits = pattern.scored(S, at) if pattern.scores else S  # cap(S) + B
-    if pattern.sinks is not None:
-        A = _softmax.with_sink(logits, M, pattern.sinks)
-    else:
-        A = _softmax.masked(logits, M, no_dead_row, scratch=scratch)
-    A = A.to(V.dtype) if half else A
-    if dropout:
-        A = torch.nn.functional.dropout(A, p=dropout)
-    return {"S": S, "A": A, "Z": weighted_values(A, V)}
-
-
-_HALF = (torch.float16, torch.bfloat16)
+    spec = Spec(impl, block_size, dropout, scale, causal, window, softcap, pattern, rope,
+                rope_base, rope_scaling, rotary_dim)
+    refuse_is_causal(is_causal)
+    w = {"W": W, "W_O": W_O, "b": b, "b_O": b_O, "W_KV": W_KV, "b_KV": b_KV, "sinks": sinks,
+         "alibi": alibi, "n_heads": n_heads, "n_kv_heads": n_kv_heads}
+    return composition.multi_head(x, w, spec, composition.Call(
+        context, mask, key_padding_mask, causal, None, positions, cache, document_ids,
+        need_weights, return_intermediates))

@@ -46,9 +46,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from . import functional, layouts, paths, patterns, rotary
+from . import composition, layouts, rotary
 from .errors import EinattnError
 from .module import MultiHeadAttention
+from .spec import Spec
 
 # The attention classes with q_proj, k_proj, v_proj and o_proj, and how their
 # apply_rotary_pos_emb pairs channels: "half" rotates the two halves of the turning
@@ -253,12 +254,14 @@ def _forward(impl: str, module, query, key, value, attention_mask, dropout: floa
     window = kwargs.get("sliding_window")
     if attention_mask is not None and L_q != key.shape[2]:
         window = None  # HF's mask has it, at positions a cache may not align bottom-right
-    pieces = patterns.pieces_of(causal=bool(causal) and attention_mask is None, window=window,
-                                softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    spec = Spec(impl, dropout=dropout, scale=scaling, window=window,
+                softcap=kwargs.get("softcap"))
+    pieces = composition.call_pieces(
+        spec, composition.Call(causal=bool(causal) and attention_mask is None), False,
+        kwargs.get("s_aux"), None)
     # "einattn" returns A as HF's eager does; the others where it is asked for or captured
     seen = impl == "einsum" or _weights_asked(module, kwargs) or _capturing.stages is not None
-    stages = paths.run(functional._scaled(query, scaling), key, value, None, attention_mask,
-                       pieces, dropout, impl, 256, seen)
+    stages = composition.attention(query, key, value, spec, attention_mask, None, pieces, seen)
     if _capturing.stages is not None:
         _capturing.calls += 1
         _capturing.stages[getattr(module, "layer_idx", len(_capturing.stages))] = {

@@ -1,8 +1,10 @@
 """``MultiHeadAttention``: the layer, holding ``W[(μ B a) i]`` and ``W_O[μ a i]``.
 
-Everything about attention itself lives in :mod:`einattn.functional`; this module owns the
-parameters, their initialisation, argument checks at the layer's boundary, and the
-conversions to and from PyTorch's ``nn.MultiheadAttention`` and separate projections.
+Everything about attention itself lives in :mod:`einattn.composition` (equations (1)–(5)
+composed, from one :class:`~einattn.spec.Spec`); this module owns the parameters, their
+initialisation, the layer's spec (its options, also attributes), argument checks at the
+layer's boundary, and the conversions to and from PyTorch's ``nn.MultiheadAttention`` and
+separate projections.
 """
 
 from __future__ import annotations
@@ -13,18 +15,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import _torch_mha, functional, layouts, patterns, rotary
-from ._checks import (
-    check_block_size,
-    check_dropout,
-    check_factory,
-    check_impl,
-    check_positive_int,
-    check_scale,
-    refuse_is_causal,
-)
+from . import _torch_mha, composition, layouts, rotary
+from ._checks import check_factory, check_positive_int, refuse_is_causal
 from .cache import KVCache
 from .errors import EinattnError
+from .spec import Spec
 
 
 class Projections(NamedTuple):
@@ -38,6 +33,17 @@ class Projections(NamedTuple):
     b_k: torch.Tensor | None
     b_v: torch.Tensor | None
     b_o: torch.Tensor | None
+
+
+def _option(name: str) -> property:
+    """An option of the layer, kept in its :attr:`~MultiHeadAttention.spec`; setting it
+    makes a new spec, checked as the constructor checks it."""
+    def get(self):
+        return getattr(self._spec, name)
+
+    def put(self, value) -> None:
+        self.spec = self._spec.replace(**{name: value})
+    return property(get, put, doc=f"``{name}``, kept in :attr:`spec`.")
 
 
 class MultiHeadAttention(nn.Module):
@@ -60,8 +66,7 @@ class MultiHeadAttention(nn.Module):
     torch.Size([2, 5, 16])
     """
 
-    batch_first = True  # the defaults, for a layer pickled before the options existed
-    pattern = ()
+    batch_first = True  # the default, for a layer pickled before the option existed
 
     def __init__(self, d_model: int, n_heads: int, *, d_head: int | None = None,
                  n_kv_heads: int | None = None, bias: bool = False, dropout: float = 0.0,
@@ -74,20 +79,13 @@ class MultiHeadAttention(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         d_head = _d_head(d_model, n_heads, d_head)
-        check_dropout(dropout)
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_head
         self.n_kv_heads, r = layouts.groups(n_heads, n_kv_heads)
         rows = self.n_kv_heads * (r + 2) * d_head
-        self.dropout, self.causal = dropout, causal
-        self.impl, self.block_size = check_impl(impl), check_block_size(block_size)
-        self.rope, self.rope_base = rope, rope_base
-        self.rope_scaling, self.rotary_dim = rope_scaling, rotary_dim
+        self.spec = Spec(impl, block_size, dropout, scale, causal, window, softcap, pattern,
+                         rope, rope_base, rope_scaling, rotary_dim)
         if rope is not None or rope_scaling is not None or rotary_dim is not None:
             rotary.check_options(rope, rope_base, rope_scaling, rotary_dim, d_head)
-        self.scale = None if scale is None else check_scale(scale)
-        self.window = None if window is None else patterns.check_window(window)
-        self.softcap = None if softcap is None else patterns.check_softcap(softcap)
-        self.pattern = patterns.pieces_of(pattern)  # the layer's own pieces, a tuple
         for name, flag in (("alibi", alibi), ("sinks", sinks), ("batch_first", batch_first)):
             if not isinstance(flag, bool):
                 raise EinattnError(f"{name} must be True or False, got {flag!r}")
@@ -97,6 +95,34 @@ class MultiHeadAttention(nn.Module):
         self.d_context = d_context
         self._make_parameters(rows, bias, sinks, check_factory(device, dtype))
         self.reset_parameters(init)
+
+    @property
+    def spec(self) -> Spec:
+        """The layer's options (:class:`~einattn.spec.Spec`), made once and read by every
+        call; each option is also an attribute (``layer.impl = "sdpa"`` makes a new spec)."""
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: Spec) -> None:
+        self._spec, self._inference = spec, spec.replace(dropout=0.0) if spec.dropout else spec
+
+    impl = _option("impl")
+    block_size = _option("block_size")
+    dropout = _option("dropout")
+    scale = _option("scale")
+    causal = _option("causal")
+    window = _option("window")
+    softcap = _option("softcap")
+    pattern = _option("pattern")
+    rope = _option("rope")
+    rope_base = _option("rope_base")
+    rope_scaling = _option("rope_scaling")
+    rotary_dim = _option("rotary_dim")
+
+    def _call_spec(self, impl: str | None) -> Spec:
+        """The spec of one call: without dropout outside training, with the call's impl."""
+        spec = self._spec if self.training else self._inference
+        return spec if impl is None or impl == spec.impl else spec.replace(impl=impl)
 
     def _make_parameters(self, rows: int, bias: bool, sinks: bool, kw: dict) -> None:
         """``W[(μ B a) i]`` (or ``W[(g C a) i]``), ``W_O[μ a i]``, the biases, the sinks.
@@ -187,7 +213,7 @@ class MultiHeadAttention(nn.Module):
         ``is_causal`` (PyTorch's name) is refused: einattn's is ``causal``.
         """
         refuse_is_causal(is_causal)
-        # w's entries go by name, not as **w: docs/performance.md, "How the fast paths are fast"
+        spec = self._call_spec(impl)
         w = self._attention_weights()
         self._check_input("x", x, w["W"])
         if self.d_context is not None:
@@ -196,23 +222,13 @@ class MultiHeadAttention(nn.Module):
             self._check_input("context", context, w["W"], self.d_context)
         if not self.batch_first:  # (L, n, d): the equations read X[n τ i]
             x, context = x.transpose(0, 1), None if context is None else context.transpose(0, 1)
-        pieces = self.pattern if pattern is None else self.pattern + patterns.pieces_of(pattern)
-        out = functional.multi_head_attention(
-            x, w["W"], w["W_O"], b=w["b"], b_O=w["b_O"], n_heads=w["n_heads"],
-            n_kv_heads=w["n_kv_heads"], context=context, mask=mask,
-            key_padding_mask=key_padding_mask, causal=self.causal if causal is None else causal,
-            dropout=self.dropout if self.training else 0.0,
-            need_weights=need_weights, return_intermediates=return_intermediates,
-            impl=self.impl if impl is None else check_impl(impl), block_size=self.block_size,
-            rope=self.rope, rope_base=self.rope_base, rope_scaling=self.rope_scaling,
-            rotary_dim=self.rotary_dim, positions=positions, cache=cache, scale=self.scale,
-            window=self.window, softcap=self.softcap, alibi=w["alibi"], sinks=w["sinks"],
-            document_ids=document_ids, W_KV=w["W_KV"], b_KV=w["b_KV"],
-            pattern=pieces)
+        out = composition.multi_head(x, w, spec, composition.Call(
+            context, mask, key_padding_mask, spec.causal if causal is None else causal, pattern,
+            positions, cache, document_ids, need_weights, return_intermediates))
         return out if self.batch_first else _sequence_first(out)
 
     def _attention_weights(self) -> dict:
-        """What forward hands :func:`einattn.functional.multi_head_attention`: parameters
+        """What forward hands :func:`einattn.composition.multi_head`: the parameters
         and head counts (:mod:`einattn.parallel` substitutes one rank's shards).
 
         A parameter is read from ``_parameters``, where ``nn.Module`` keeps it and

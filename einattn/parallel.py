@@ -10,7 +10,7 @@ per-rank partial outputs::
 
     Y[n τ i] = Σ_ranks Z[n μ τ a] W_O[μ a i]   (μ running over the rank's own heads)
 
-So each rank runs the layer's own forward (:func:`einattn.functional.multi_head_attention`
+So each rank runs the layer's own forward (:func:`einattn.composition.multi_head`
 unchanged) on its local shards and ``n_heads / w`` heads, and one all-reduce sums the
 partial ``Y``. In backward the gradient of the input ``X[n τ i]`` is summed over ranks the
 same way (Megatron's "f" and "g" operators). All of it is ``torch.distributed.tensor``: the
@@ -24,12 +24,14 @@ See docs/distributed.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from . import functional, patterns, ring, rotary
+from . import composition, ring
 from .errors import EinattnError
 from .masks import alibi_slopes
 from .module import MultiHeadAttention
@@ -199,7 +201,7 @@ class HeadParallel:
 
     def _local_mask(self, mask):
         """A per-head mask ``(n, μ, τ, σ)`` cut to this rank's heads; others pass as they are
-        (the local check in einattn.functional sees them)."""
+        (the local check in einattn.composition sees them)."""
         if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or mask.shape[1] == 1:
             return mask
         if mask.shape[1] != self.n_heads:
@@ -324,33 +326,27 @@ class SequenceParallel:
     def forward(self, x: torch.Tensor, context=None, *, mask=None, key_padding_mask=None,
                 causal: bool | None = None, need_weights: bool = False,
                 return_intermediates: bool = False, impl: str | None = None, positions=None,
-                cache=None, document_ids=None):
-        """``Y[n τ i]`` for this rank's tokens ``x`` ``(n, L/R, d_model)``: equations (1)–(5)
-        with (2)–(4) over the whole sequence, round the ring. ``key_padding_mask``: bool
-        ``(n, L/R)``, True = padding, this rank's part."""
+                cache=None, document_ids=None, pattern=None):
+        """``Y[n τ i]`` for this rank's tokens ``x`` ``(n, L/R, d_model)``: the layer's
+        composition, equations (1)–(5), with (2)–(4) over the whole sequence, round the ring.
+        ``key_padding_mask``: bool ``(n, L/R)``, True = padding, this rank's part."""
         _refuse_in_sequence(context=context, mask=mask, need_weights=need_weights,
                             return_intermediates=return_intermediates, positions=positions,
                             cache=cache, document_ids=document_ids,
                             dropout=self.dropout if self.training else 0.0)
-        impl = self.impl if impl is None else impl
+        spec = self._call_spec(impl)
         w = self._attention_weights()
         self._check_input("x", x, w["W"])
         L = ring.check_length(x.shape[1] * self.ring.world, self.ring.world, self.layout,
                               what="the whole sequence (x's length × the mesh size)")
         _check_padding(key_padding_mask, x)
-        Q, K, V = functional.project_qkv(x, w["W"], n_heads=self.n_heads,
-                                         n_kv_heads=self.n_kv_heads, b=w["b"])
         t = ring.positions(self.ring.rank, self.ring.world, x.shape[1], self.layout)
-        Q, K = rotary.turned(Q, K, (self.rope, self.rope_base, self.rope_scaling,
-                                    self.rotary_dim), t.to(x.device) if self.rope else None,
-                             offset=0, cross=False)
-        pieces = patterns.pieces_of(causal=self.causal if causal is None else causal,
-                                    window=self.window, softcap=self.softcap,
-                                    alibi=w["alibi"], sinks=w["sinks"]) + self.pattern
-        Z = ring.attention(functional._scaled(Q, self.scale), K, V, key_padding_mask,
-                           self.ring, pieces=pieces,
-                           block_size=_block_size(impl, self.block_size, L))
-        return functional.combine_heads(Z, w["W_O"], w["b_O"])
+        call = composition.Call(key_padding_mask=key_padding_mask, pattern=pattern,
+                                causal=spec.causal if causal is None else causal,
+                                positions=t.to(x.device) if spec.rope else None)
+        block_size = _block_size(spec.impl, spec.block_size, L)
+        return composition.multi_head(x, w, spec, call, functools.partial(
+            _ring_attention, self.ring, block_size))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, sequence over a mesh of size "
@@ -370,6 +366,14 @@ _ELSEWHERE = {
     "dropout": "each block runs the chunked path's tiles, and the ring draws no dropout "
                "masks across ranks: call layer.eval() or build the layer with dropout=0",
 }
+
+
+def _ring_attention(ring_: ring.Ring, block_size: int, Q, K, V, spec, mask, key_padding_mask,
+                    pieces: tuple, seen: bool) -> dict[str, torch.Tensor]:
+    """Equations (2)–(4) of this rank's queries over every rank's keys, in the signature
+    the composition calls its attention by."""
+    return {"Z": ring.attention(Q, K, V, key_padding_mask, ring_, pieces=pieces,
+                                block_size=block_size)}
 
 
 def _refuse_in_sequence(**given) -> None:

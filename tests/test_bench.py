@@ -182,8 +182,8 @@ def test_samples_read_the_chosen_clock(monkeypatch):
     assert set(bench.CLOCKS) == set(bench.CLOCK_NAMES)  # every clock has its name in the text
     ticks = {"wall": iter([10.0, 13.0]), "cpu": iter([1.0, 1.5])}
     monkeypatch.setattr(bench.timing, "CLOCKS", {k: (lambda k=k: next(ticks[k])) for k in ticks})
-    assert bench.timing._clock(lambda: None, 1, "cpu") == 0.5
-    assert bench.timing._clock(lambda: None, 1) == 3.0
+    assert bench.timing.seconds(lambda: None, 1, "cpu") == 0.5
+    assert bench.timing.seconds(lambda: None, 1) == 3.0
     assert bench.Settings.build().clock == "wall"
     assert bench.Settings.build(quick=True, clock="cpu").clock == "cpu"
     with pytest.raises(EinattnError, match="clock must be one of 'wall', 'cpu', got 'CPU'"):

@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import TOL, assert_close_scaled, randn
 
-from einattn import EinattnError, MultiHeadAttention, chunked, masks, patterns
+from einattn import EinattnError, MultiHeadAttention, chunked, impls, masks, patterns
 from einattn import functional as F
+from einattn.impls import tiles
 
 F64, F32 = torch.float64, torch.float32
 N, MU, A, A_V = 2, 3, 4, 5  # all distinct, V's channel count its own
@@ -200,7 +201,7 @@ def test_split_keys_equal_the_einsum_path(kind, L_q, L_k, block_size, causal, mo
     """Up to SPLIT_QUERIES queries take the split keys (blocks of block_size, the last one
     short or the only one), never the tile loop: Z and every gradient equal equations
     (2)–(4) as written (the backward recomputes over tiles from the split forward's lse)."""
-    monkeypatch.setattr(chunked, "_tiled_forward", tiles_refused)
+    monkeypatch.setattr(tiles, "_tiled_forward", tiles_refused)
     Q, K, V = qkv(L_q, L_k)
     compare(Q, K, V, mask=make_mask(kind, L_q, L_k), causal=causal, block_size=block_size,
             tol=TOL[F64])
@@ -219,8 +220,8 @@ def test_split_keys_take_every_pattern(name, L_q, monkeypatch):
     Q, K, V = qkv(L_q, 37, requires_grad=False)
     pattern = patterns.build(n=N, n_heads=MU, L_q=L_q, L_k=37, dtype=F64, device=Q.device,
                              causal=True, **PATTERNS[name])
-    want = chunked._dense(Q, K, V, None, pattern)
-    monkeypatch.setattr(chunked, "_tiled_forward", tiles_refused)
+    want = impls.chunked._dense(Q, K, V, None, pattern)
+    monkeypatch.setattr(tiles, "_tiled_forward", tiles_refused)
     got, lse = chunked.forward(Q, K, V, None, pattern, 8)
     assert_close_scaled(got, want, TOL[F64])
     assert torch.isfinite(lse).all()
@@ -501,7 +502,7 @@ def test_compiles_to_one_graph_forward_and_backward():
 def test_before_torch_2_13_the_function_runs_outside_the_graph(monkeypatch):
     """Where dynamo's traced backward is not trusted (torch < 2.13: 3.0 off on 2.11), the
     Function breaks the graph: gradients exact without fullgraph, fullgraph refused."""
-    monkeypatch.setattr(chunked, "TRACEABLE", False)
+    monkeypatch.setattr(impls.chunked, "TRACEABLE", False)
     torch._dynamo.reset()
     Q, K, V = qkv(7, 9)
 

@@ -13,7 +13,7 @@ import torch
 from test_errors import _raise_sites
 
 import einattn
-from einattn import EinattnError, Equation
+from einattn import EinattnError, Equation, equations
 from einattn import functional as F
 
 F64 = torch.float64
@@ -145,7 +145,7 @@ def test_masked_softmax_runs_the_equation_and_its_fast_paths_agree(monkeypatch):
     assert torch.equal(A, F.masked_softmax(S, M == 0))  # boolean: the fast path
     assert torch.equal(A, F.masked_softmax(S, M, every_row_sees_a_key=False))
     calls = []
-    monkeypatch.setattr(F, "SOFTMAX", lambda **kw: calls.append(kw) or A)
+    monkeypatch.setattr(equations, "SOFTMAX", lambda **kw: calls.append(kw) or A)
     F.masked_softmax(S, M[0, 0])  # M[τ σ] broadcast: still the equation
     assert len(calls) == 1 and calls[0]["M"].shape == S.shape
 

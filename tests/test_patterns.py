@@ -24,8 +24,9 @@ from conftest import FLEX_CPU, TOL, assert_close_scaled, here, on_cpu_only, rand
 from test_bad_inputs import BAD, _raise_lines, reached_lines
 from test_chunked import largest_outputs
 
-from einattn import EinattnError, KVCache, MultiHeadAttention, chunked, masks, patterns
+from einattn import EinattnError, KVCache, MultiHeadAttention, masks, patterns
 from einattn import functional as F
+from einattn.impls import tiles as tile_kernels
 
 F64, F32 = torch.float64, torch.float32
 N, MU, G, A, A_V = 3, 6, 2, 5, 4  # all distinct; μ = (g r) with r = 3 query heads a group
@@ -565,16 +566,16 @@ def scores_computed(monkeypatch, L_q, L_k, size, **opts) -> int:
     """How many scores (τ, σ) of one head chunked attention computes in its forward (its
     backward recomputes the same tiles), over every tile it visits."""
     tiles = []
-    real = chunked._tile_logits
+    real = tile_kernels._tile_logits
 
     def counted(*args):
         tiles.append(args[5])
         return real(*args)
 
-    monkeypatch.setattr(chunked, "_tile_logits", counted)
+    monkeypatch.setattr(tile_kernels, "_tile_logits", counted)
     Q, K, V = qkv(L_q, L_k)
     F.attention(Q, K, V, impl="chunked", block_size=size, **opts).sum().backward()
-    monkeypatch.setattr(chunked, "_tile_logits", real)
+    monkeypatch.setattr(tile_kernels, "_tile_logits", real)
     area = [(t1 - t0) * (s1 - s0) for t0, t1, s0, s1, _ in tiles]
     assert sum(area[:len(area) // 2]) == sum(area[len(area) // 2:])  # forward = backward
     return sum(area) // 2
@@ -853,7 +854,7 @@ def test_bad_options_raise(name):
 
 
 def test_flex_failures_are_put_in_einattns_words(monkeypatch):
-    from einattn import flex as flex_module
+    from einattn.impls import flex as flex_module
 
     def broken(flex, Q):
         def run(*args, **kwargs):

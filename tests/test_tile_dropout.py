@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TOL, assert_close_scaled, randn
 
-from einattn import EinattnError, MultiHeadAttention, chunked, masks, patterns
+from einattn import EinattnError, MultiHeadAttention, chunked, impls, masks, patterns
 from einattn import functional as F
 from einattn._tile_dropout import TileDropout
 
@@ -52,7 +52,7 @@ def _call(name, p, seed):
     M = randn(N, 1, L_q, L_k, seed=4, requires_grad=True) if float_mask else None
     torch.manual_seed(seed)
     Z = chunked.attend(Q, K, V, M, pattern, block_size, dropout=p)
-    return Z, Q, K, V, M, pattern, chunked._tile_side(pattern, block_size)
+    return Z, Q, K, V, M, pattern, impls.chunked._tile_side(pattern, block_size)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -61,8 +61,8 @@ def test_forward_and_backward_equal_autograd_through_the_same_mask(name):
     Z, Q, K, V, M, pattern, side = _call(name, p, seed)
     torch.manual_seed(seed)  # the call's seed, drawn again
     drop = TileDropout.drawn(p)
-    A = F._einsum_stages(Q, K, V, M, pattern, 0.0, scratch=False)["A"]  # equation (3)
-    R = drop.dense(chunked._tiles(Q, K, pattern, side), A.shape, A.device, A.dtype)
+    A = impls.einsum.stages(Q, K, V, M, pattern, 0.0, scratch=False)["A"]  # equation (3)
+    R = drop.dense(impls.tiles.tiles(pattern, side), A.shape, A.device, A.dtype)
     assert 0.5 < (R[A > 0] > 0).double().mean() < 0.9  # some dropped, most kept
     want = F.weighted_values(A * R, V)  # Z = (A ∘ R) V, equation (4g)
     assert_close_scaled(Z, want, TOL[F64])
@@ -158,7 +158,7 @@ def test_the_layer_trains_on_the_chunked_path_with_dropout():
     torch.manual_seed(3)
     pattern = patterns.build(n=N, n_heads=MU, L_q=10, L_k=12, dtype=F64, device="cpu",
                              causal=True)
-    R = TileDropout.drawn(0.2).dense(chunked._tiles(Q, K, pattern, 4), (N, MU, 10, 12), "cpu",
+    R = TileDropout.drawn(0.2).dense(impls.tiles.tiles(pattern, 4), (N, MU, 10, 12), "cpu",
                                      F64)
     A = F.masked_softmax(F.attention_scores(Q, K), masks.causal_mask(10, 12))
     assert_close_scaled(Z, F.weighted_values(A * R, V), TOL[F64])

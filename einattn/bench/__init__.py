@@ -39,15 +39,7 @@ from .forms import (
     unavailable,
     with_impl,
 )
-from .memory import (
-    MEMORY_METHOD,
-    PATTERN_MEMORY_METHOD,
-    MemoryRow,
-    measure_memory,
-    measure_pattern_memory,
-    memory_worker,
-    pattern_memory_worker,
-)
+from .memory import MEMORY_METHOD, PATTERN_MEMORY_METHOD, MemoryRow, measure_memory, memory_worker
 from .patterns import (
     FLEX_FORMS,
     PATTERN_FORMS,
@@ -56,8 +48,10 @@ from .patterns import (
     PatternRow,
     PatternSection,
     Setup,
+    measure_pattern_memory,
     pattern_forms,
     pattern_inputs,
+    pattern_memory_worker,
     pattern_skipped,
     pattern_step,
     run_patterns,

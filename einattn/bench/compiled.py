@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .forms import MODES, build, inputs, step
-from .timing import Timing, _clock, time_interleaved
+from .timing import Timing, seconds, time_interleaved
 
 if TYPE_CHECKING:
     from .settings import Settings, Size
@@ -58,7 +58,7 @@ def compile_size(size: Size, settings: Settings) -> list[CompileRow]:
             params = list(form.parameters())
             steps[name] = step(form, mode, x, dy, params)
             compiled = step(torch.compile(form, dynamic=False), mode, x, dy, params)
-            compile_s[name] = _clock(compiled, 1)  # the first call compiles
+            compile_s[name] = seconds(compiled, 1)  # the first call compiles
             steps[f"{name} compiled"] = compiled
         timings = time_interleaved(steps, settings)
         rows.append(CompileRow(size, mode, {k: timings[k] for k in forms},

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..cache import KVCache
 from ..module import MultiHeadAttention
 from .forms import with_impl
-from .timing import Row, _deviation, time_interleaved
+from .timing import Row, relative_deviation, time_interleaved
 
 if TYPE_CHECKING:
     from .settings import DecodingSize, Settings
@@ -145,7 +145,7 @@ def time_decoding(size: DecodingSize, settings: Settings,
     x = torch.randn(size.n, size.context + SLACK, size.d_model, generator=g)
     forms = decoding_forms(size, x, names=names)
     first = {name: form() for name, form in forms.items()}
-    deviation = {name: _deviation(y, first["hand_cat"]) for name, y in first.items()}
+    deviation = {name: relative_deviation(y, first["hand_cat"]) for name, y in first.items()}
     timings = time_interleaved(forms, settings)
     return DecodingRow(size, DECODING_MODE, timings, deviation,
                        {name: form.cache_bytes() for name, form in forms.items()})

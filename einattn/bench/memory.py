@@ -1,6 +1,7 @@
 """Memory: the peak resident-set growth of one forward+backward, each form in a fresh
 subprocess (``python -c "… from einattn.bench.memory import memory_worker …"``): the layer's
-forms (:func:`measure_memory`) and the patterns section's (:func:`measure_pattern_memory`)."""
+forms (:func:`measure_memory`), and the way the patterns section measures its own
+(:func:`measured`, :func:`peak_growth`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .forms import PATHS, build, inputs, step
-from .settings import MEMORY, PatternSize, Size
+from .settings import MEMORY, Size
 
 MEMORY_METHOD = ("peak resident set growth of one forward+backward, in a fresh process per "
                  "form: after setup and a warm-up step at L=16, the kernel's peak-RSS mark is "
@@ -24,7 +25,7 @@ MEMORY_METHOD = ("peak resident set growth of one forward+backward, in a fresh p
                  "minus VmRSS before it; where that reset is not allowed, ru_maxrss after "
                  "the step minus ru_maxrss before it")
 PATTERN_MEMORY_METHOD = MEMORY_METHOD.replace("at L=16", "at L=min(L, 512)")
-_WORKER = ("import sys; from einattn.bench.memory import {0}; {0}(sys.argv[1:])")
+_WORKER = "import sys; from einattn.bench.{0} import {1}; {1}(sys.argv[1:])"
 _ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the einattn package
 
 
@@ -45,7 +46,7 @@ def _reset_peak() -> bool:
     return True
 
 
-def _peak_growth(run) -> dict:
+def peak_growth(run) -> dict:
     """Call ``run`` once; the growth of the peak resident set it caused, in bytes, the
     resident set before it, and the method that measured them."""
     gc.collect()
@@ -71,34 +72,15 @@ def memory_worker(argv: list[str]) -> None:
     params = list(form.parameters())
     warm = replace(size, L=16)
     step(form, "forward+backward", *inputs(warm), params)()  # load kernels, small peak
-    print(json.dumps(_peak_growth(step(form, "forward+backward", *inputs(size), params))))
+    print(json.dumps(peak_growth(step(form, "forward+backward", *inputs(size), params))))
 
 
-def pattern_memory_worker(argv: list[str]) -> None:
-    """In a fresh process: ``form n heads L d_head window threads`` of the patterns
-    section; prints one JSON line."""
-    from .patterns import pattern_forms, pattern_inputs, pattern_step
-
-    name, *numbers = argv
-    n, heads, L, d_head, window, threads = map(int, numbers)
-    torch.set_num_threads(threads)
-    size = PatternSize(n, heads, L, d_head, window)
-
-    def ready(at: PatternSize):  # one step at ``at``, its setup (a dense mask) done
-        Q, K, V, dZ = pattern_inputs(at)
-        return pattern_step(pattern_forms(at, (name,))[0][name], "forward+backward",
-                            (Q, K, V), dZ)
-
-    ready(replace(size, L=min(L, 512)))()  # load the kernels, with a small peak
-    print(json.dumps(_peak_growth(ready(size))))
-
-
-def _in_subprocess(worker: str, argv: list) -> tuple[int | None, str]:
-    """Run ``worker`` of this module in a fresh Python with ``argv``: the peak growth it
-    printed, or None and the last line of what it said when it failed."""
+def _in_subprocess(module: str, worker: str, argv: list) -> tuple[int | None, str]:
+    """Run ``worker`` of ``einattn.bench.<module>`` in a fresh Python with ``argv``: the peak
+    growth it printed, or None and the last line of what it said when it failed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-c", _WORKER.format(worker), *map(str, argv)],
+    done = subprocess.run([sys.executable, "-c", _WORKER.format(module, worker), *map(str, argv)],
                           capture_output=True, text=True, env=env, timeout=900)
     if done.returncode:
         return None, (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
@@ -133,22 +115,16 @@ def measure_memory(L: int, skip: dict[str, str]) -> MemoryRow:
     """Every form not in ``skip`` at length ``L``, one subprocess each (:func:`memory_worker`),
     at the n, d_model and heads of ``MEMORY`` and this process's thread count."""
     n, d_model, heads = MEMORY
-    return _measured(L, [(name, [name, n, L, d_model, heads, torch.get_num_threads()])
-                         for name in PATHS if name not in skip], "memory_worker")
+    return measured(L, [(name, [name, n, L, d_model, heads, torch.get_num_threads()])
+                        for name in PATHS if name not in skip], "memory", "memory_worker")
 
 
-def measure_pattern_memory(size: PatternSize, L: int, names: tuple[str, ...]) -> MemoryRow:
-    """The patterns section's forms ``names`` at ``size`` but length ``L``, one subprocess
-    each (:func:`pattern_memory_worker`), at this process's thread count."""
-    return _measured(L, [(name, [name, size.n, size.heads, L, size.d_head, size.window,
-                                 torch.get_num_threads()]) for name in names],
-                     "pattern_memory_worker")
-
-
-def _measured(L: int, runs: list[tuple[str, list]], worker: str) -> MemoryRow:
+def measured(L: int, runs: list[tuple[str, list]], module: str, worker: str) -> MemoryRow:
+    """The row of length ``L``: for each ``(form, argv)`` of ``runs``, ``worker`` of
+    ``einattn.bench.<module>`` run in a fresh process."""
     growth, errors = {}, {}
     for name, argv in runs:
-        bytes_, error = _in_subprocess(worker, argv)
+        bytes_, error = _in_subprocess(module, worker, argv)
         if error:
             errors[name] = error
         else:

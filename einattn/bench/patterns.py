@@ -19,9 +19,10 @@ have no forward+backward row on a CPU.
 from __future__ import annotations
 
 import importlib
+import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
@@ -30,11 +31,12 @@ import torch.nn.functional as F
 
 from ..functional import attention
 from .forms import MODES, unavailable
-from .memory import PATTERN_MEMORY_METHOD, MemoryRow, measure_pattern_memory
-from .timing import Row, _deviation, time_interleaved
+from .memory import PATTERN_MEMORY_METHOD, MemoryRow, measured, peak_growth
+from .settings import PatternSize
+from .timing import Row, relative_deviation, time_interleaved
 
 if TYPE_CHECKING:
-    from .settings import PatternSize, Settings
+    from .settings import Settings
 
 PATTERN_FORMS = ("sdpa_dense", "chunked", "chunked_causal", "einsum", "flex_compiled", "flex")
 PATTERN_NAMES = {"sdpa_dense": "SDPA, dense mask", "chunked": "einattn chunked",
@@ -170,7 +172,7 @@ def _deviations(outputs: dict[str, torch.Tensor], Q, K, V, size: PatternSize) \
     windowed = F.scaled_dot_product_attention(Q, K, V, attn_mask=window_mask(size.L,
                                                                              size.window))
     causal = F.scaled_dot_product_attention(Q, K, V, is_causal=True)
-    return {name: _deviation(Z, causal if name == "chunked_causal" else windowed)
+    return {name: relative_deviation(Z, causal if name == "chunked_causal" else windowed)
             for name, Z in outputs.items()}
 
 
@@ -249,3 +251,28 @@ def run_patterns(settings: Settings, say: Callable[[str], None]) -> PatternSecti
         names = tuple(p for p in PATTERN_MEMORY_FORMS if p not in section.skipped)
         section.memory.append(measure_pattern_memory(settings.pattern_sizes[0], L, names))
     return section
+
+
+def pattern_memory_worker(argv: list[str]) -> None:
+    """In a fresh process: ``form n heads L d_head window threads`` of the patterns
+    section; prints one JSON line."""
+    name, *numbers = argv
+    n, heads, L, d_head, window, threads = map(int, numbers)
+    torch.set_num_threads(threads)
+    size = PatternSize(n, heads, L, d_head, window)
+
+    def ready(at: PatternSize):  # one step at ``at``, its setup (a dense mask) done
+        Q, K, V, dZ = pattern_inputs(at)
+        return pattern_step(pattern_forms(at, (name,))[0][name], "forward+backward",
+                            (Q, K, V), dZ)
+
+    ready(replace(size, L=min(L, 512)))()  # load the kernels, with a small peak
+    print(json.dumps(peak_growth(ready(size))))
+
+
+def measure_pattern_memory(size: PatternSize, L: int, names: tuple[str, ...]) -> MemoryRow:
+    """The patterns section's forms ``names`` at ``size`` but length ``L``, one subprocess
+    each (:func:`pattern_memory_worker`), at this process's thread count."""
+    return measured(L, [(name, [name, size.n, size.heads, L, size.d_head, size.window,
+                                torch.get_num_threads()]) for name in names],
+                    "patterns", "pattern_memory_worker")

@@ -60,7 +60,7 @@ class Timing:
                 "calls_per_sample": self.calls_per_sample}
 
 
-def _clock(fn: Callable[[], None], number: int, clock: str = "wall") -> float:
+def seconds(fn: Callable[[], None], number: int, clock: str = "wall") -> float:
     """Seconds that ``number`` calls of ``fn`` take by ``CLOCKS[clock]``."""
     now = CLOCKS[clock]
     start = now()
@@ -75,7 +75,7 @@ def _calls_per_sample(fn: Callable[[], None], settings: Settings) -> int:
     for _ in range(settings.warmup):
         fn()
     # the fastest of three: one call stalled by a neighbour cannot shrink every sample
-    once = min(_clock(fn, 1, settings.clock) for _ in range(3 if settings.sample_s else 1))
+    once = min(seconds(fn, 1, settings.clock) for _ in range(3 if settings.sample_s else 1))
     once = max(once, RESOLUTION[settings.clock], 1e-9)  # a coarse clock may read 0
     return max(1, math.ceil(settings.sample_s / once))
 
@@ -94,7 +94,7 @@ def time_interleaved(steps: dict[str, Callable[[], None]], settings: Settings) \
         for r in range(settings.rounds):
             shift = r % len(names)
             for name in names[shift:] + names[:shift]:
-                samples[name].append(_clock(steps[name], number[name], settings.clock)
+                samples[name].append(seconds(steps[name], number[name], settings.clock)
                                      / number[name])
     finally:
         if was_enabled:
@@ -128,7 +128,7 @@ class Row:
                           for name, t in self.timings.items()}}
 
 
-def _deviation(y: torch.Tensor, ref: torch.Tensor) -> float:
+def relative_deviation(y: torch.Tensor, ref: torch.Tensor) -> float:
     """``max |y − ref|`` relative to ``max(1, max |ref|)``."""
     return ((y - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
 
@@ -140,7 +140,7 @@ def time_size(size: Size, settings: Settings, skip: dict[str, str]) -> list[Row]
     x, dy = inputs(size)
     with torch.no_grad():
         outputs = {name: form(x) for name, form in forms.items()}
-    deviation = {name: _deviation(y, outputs["textbook"]) for name, y in outputs.items()}
+    deviation = {name: relative_deviation(y, outputs["textbook"]) for name, y in outputs.items()}
     del outputs
     rows = []
     for mode in MODES:

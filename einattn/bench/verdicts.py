@@ -4,14 +4,30 @@ under, read from the rows a run produced and marked PASS, FAIL or SKIP (SKIP: no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .patterns import why_no_memory
 from .settings import DECODING_SIZES, PATTERN_MEMORY_LENGTHS, PATTERN_SIZES, SIZES
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .compiled import CompileRow
+    from .decoding import DecodingSection
+    from .memory import MemoryRow
+    from .patterns import PatternSection
+    from .settings import Settings
     from .timing import Row, Timing
+
+
+class Report(Protocol):
+    """What the targets read of a run (:class:`einattn.bench.report.Report` has it)."""
+
+    settings: Settings
+    rows: list[Row]
+    compiled: list[CompileRow]
+    memory: list[MemoryRow]
+    skipped: dict[str, str]
+    patterns: PatternSection
+    decoding: DecodingSection
 
 VERDICTS = ("PASS", "FAIL", "SKIP")
 _TRAINING = "forward+backward"
