@@ -162,15 +162,23 @@ class Pattern:
             S = piece.score(S, *where)
         return S
 
-    def score_grad(self, S: torch.Tensor, dS: torch.Tensor, at) -> torch.Tensor:
-        """``∂L/∂S`` from ``∂L/∂(cap(S) + B)``, the chain rule through the terms backwards."""
-        where, inputs = self.positions(at), []
+    @property
+    def tensors(self) -> tuple:
+        """What the score terms read that wants a gradient (a ScoreMod's captured tensors),
+        in the order :meth:`score_grad` gives their gradients."""
+        return tuple(t for piece in self.scores for t in piece.tensors)
+
+    def score_grad(self, S: torch.Tensor, dS: torch.Tensor, at) -> tuple:
+        """``(∂L/∂S, ∂L/∂tensors)`` from ``∂L/∂(cap(S) + B)``, the chain rule through the
+        terms backwards."""
+        where, inputs, grads = self.positions(at), [], ()
         for piece in self.scores:
             inputs.append(S)
             S = piece.score(S, *where)
         for piece, S_in in zip(reversed(self.scores), reversed(inputs), strict=True):
-            dS = piece.grad(S_in, dS, *where)
-        return dS
+            dS, piece_grads = piece.grads(S_in, dS, *where)
+            grads = tuple(piece_grads) + grads
+        return dS, grads
 
     def tiles(self, size: int) -> list:
         """``(τ0, τ1, σ0, σ1, partial)`` (local, ends excluded) for each tile of ``size``
@@ -210,7 +218,7 @@ class Pattern:
             return None
         last = f.q0 + f.L_q - 1
         lo, hi = _reach_of(self.masks, f, last, last)
-        return None if lo is None or hi is None else hi - lo + 1
+        return None if lo is None or hi is None or hi < lo else hi - lo + 1
 
     def sees_any(self) -> bool:
         """Whether some query may see some key (the call judged as one tile)."""

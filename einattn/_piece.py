@@ -24,12 +24,12 @@ A piece says what it is, ``KIND`` ("mask", "score" or "sink"), and gives its LaT
   causal rule, which SDPA runs as ``is_causal``) and ``static`` (its judgement depends on
   positions alone, so it may be kept per pattern and sizes).
 
-A score piece gives ``score(S, n, μ, τ, σ)``, ``grad(S, dS, n, μ, τ, σ)`` (∂L/∂S from
-∂L/∂score, for the chunked path's recomputing backward), ``STAGE`` (0: a function of S such
-as the cap; 1: a term ``B`` added to it) and ``additive`` (then ``bias(n, μ, τ, σ)`` is
-``B``). ``bound(frame, dtype)`` checks a piece against one call and gives the piece that
-runs there. Mask pieces compose with ``&``, ``|`` and ``~``, as FlexAttention's
-``and_masks``, ``or_masks`` do.
+A score piece gives ``score(S, n, μ, τ, σ)``, ``grads(S, dS, n, μ, τ, σ)`` (∂L/∂S from
+∂L/∂score, and the gradients of the ``tensors`` it reads that want one, for the chunked
+path's recomputing backward), ``STAGE`` (0: a function of S such as the cap; 1: a term ``B``
+added to it) and ``additive`` (then ``bias(n, μ, τ, σ)`` is ``B``). ``bound(frame, dtype)``
+checks a piece against one call and gives the piece that runs there. Mask pieces compose
+with ``&``, ``|`` and ``~``, as FlexAttention's ``and_masks``, ``or_masks`` do.
 """
 
 from __future__ import annotations
@@ -147,6 +147,11 @@ class ScorePiece:
     KIND = "score"
     STAGE = 0
     additive = False
+    tensors = ()  # what it reads that wants a gradient, beside S
+
+    def grads(self, S, dS, n, mu, tau, sigma) -> tuple:
+        """``(∂L/∂S, ∂L/∂tensors)`` from ``∂L/∂score``: its ``grad``, and no tensor."""
+        return self.grad(S, dS, n, mu, tau, sigma), ()
 
     def latex(self) -> str:
         return self.LATEX

@@ -37,13 +37,15 @@ from dataclasses import dataclass
 import torch
 
 from ._binding import Pattern, bind
+from ._mods import Mask, MaskMod, ScoreMod
 from ._piece import Frame, Grid, MaskPiece, ScorePiece, grid
 from .errors import EinattnError
 from .notation import Equation
 
-__all__ = ["SINK", "SINK_LATEX", "ALiBi", "Causal", "Documents", "Grid", "MaskPiece", "Pattern",
-           "ScorePiece", "Sinks", "Softcap", "Window", "alibi_slopes", "bind", "build",
-           "check_softcap", "check_window", "grid", "pieces_of"]
+__all__ = ["SINK", "SINK_LATEX", "ALiBi", "Causal", "Documents", "Grid", "Mask", "MaskMod",
+           "MaskPiece", "Pattern", "ScoreMod", "ScorePiece", "Sinks", "Softcap", "Window",
+           "alibi_slopes", "bind", "build", "check_softcap", "check_window", "grid",
+           "pieces_of"]
 
 # -- pieces of the mask M: a predicate over (n, μ, τ, σ) --------------------------------------
 

@@ -171,10 +171,11 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
                           dtype=Q.dtype if low is None else low, device=Q.device)
     how = (ring, whole, block_size)
     if low is None:
-        return _RingAttention.apply(Q, K.contiguous(), V.contiguous(), padding, whole.sinks, how)
+        return _RingAttention.apply(Q, K.contiguous(), V.contiguous(), padding, whole.sinks, how,
+                                    *whole.tensors)
     with torch.autocast(Q.device.type, enabled=False):  # the same numbers forward, backward
         return _RingAttention.apply(Q.to(low), K.to(low).contiguous(), V.to(low).contiguous(),
-                                    padding, whole.sinks, how)
+                                    padding, whole.sinks, how, *whole.tensors)
 
 
 def _slices(L_local: int, n_held: int) -> list[slice]:
@@ -198,10 +199,11 @@ def _schedule(ring: Ring, step: int, L_local: int, whole: patterns.Pattern) -> l
 class _RingAttention(torch.autograd.Function):
     """Forward: (M1)–(M2) over the ring's blocks, from the sink's ``lse = s_μ``, ``Z = 0``.
     Backward: each block's tile backward with the whole row's Z and lse; dK and dV travel
-    home with their block."""
+    home with their block. The tensors a ScoreMod captures come last: each rank's gradient of
+    them is its queries' share, as its parameters' are."""
 
     @staticmethod
-    def forward(ctx, Q, K, V, padding, sinks, how: tuple):
+    def forward(ctx, Q, K, V, padding, sinks, how: tuple, *tensors):
         Z, lse = _forward(Q, K, V, padding, sinks, *how)
         ctx.save_for_backward(Q, K, V, padding, sinks, Z, lse)
         ctx.how = how
@@ -212,9 +214,9 @@ class _RingAttention(torch.autograd.Function):
         Q, K, V, padding, sinks, Z, lse = ctx.saved_tensors
         lse = chunked.for_backward(lse)
         with torch.autocast(dZ.device.type, enabled=False):
-            dQ, dK, dV = _backward(Q, K, V, padding, Z, lse, dZ, *ctx.how)
+            dQ, dK, dV, dT = _backward(Q, K, V, padding, Z, lse, dZ, *ctx.how)
         D = (dZ.to(Z.dtype) * Z).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z
-        return dQ, dK, dV, None, chunked.sink_grad(sinks, lse, D), None
+        return dQ, dK, dV, None, chunked.sink_grad(sinks, lse, D), None, *dT
 
 
 def _forward(Q, K, V, padding, sinks, ring: Ring, whole: patterns.Pattern, block_size: int):
@@ -243,18 +245,21 @@ def _backward(Q, K, V, padding, Z, lse, dZ, ring: Ring, whole: patterns.Pattern,
     dQ = torch.zeros(Q.shape, dtype=acc, device=Q.device)
     block = [t for t in (K, V, padding) if t is not None]
     grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (K, V)]  # dK_b, dV_b
+    dT = [torch.zeros_like(t) for t in whole.tensors]
     for step in range(ring.world):
         following, requests = ring.pass_on(block) if step < ring.world - 1 else (None, [])
         K_b, V_b, pad_b = (*block, None)[:3]
         for tau, sigma, pattern in _schedule(ring, step, Q.shape[2], whole):
-            dQ_p, dK_p, dV_p, _, _ = chunked.backward(
+            dQ_p, dK_p, dV_p, _, _, dT_p = chunked.backward(
                 Q[:, :, tau], K_b[:, :, sigma], V_b[:, :, sigma], Z[:, :, tau],
                 lse[:, :, tau], _mask(pad_b, sigma), dZ[:, :, tau], pattern, block_size,
                 mask_grad=False)
+            for total, part in zip(dT, dT_p, strict=True):
+                total += part
             dQ[:, :, tau] += dQ_p
             grads[0][:, :, sigma] += dK_p
             grads[1][:, :, sigma] += dV_p
         grads, sent = ring.pass_on(grads)  # the block's dK, dV so far follow it
         _wait(sent + requests)
         block = following
-    return dQ.to(Q.dtype), grads[0].to(K.dtype), grads[1].to(V.dtype)
+    return dQ.to(Q.dtype), grads[0].to(K.dtype), grads[1].to(V.dtype), dT

@@ -58,10 +58,23 @@ def padding_for(options: str) -> torch.Tensor | None:
     return pad
 
 
+def own_pattern(bias: torch.Tensor) -> list:
+    """Pieces of one's own, read at global positions: a Mask string (chunks of 4 positions,
+    and the first 3 keys for every query), a MaskMod and a ScoreMod capturing ``bias``."""
+    def relative(s, b, h, q, kv):
+        return s + bias[h, (q - kv).clamp(-8, 8) + 8]
+    return [patterns.Mask("⌊τ / 4⌋ = ⌊σ / 4⌋ ∨ σ < 3"),
+            patterns.MaskMod(lambda b, h, q, kv: (q - kv) % 5 != 1), patterns.ScoreMod(relative)]
+
+
 def compare(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
-    """The sequence-parallel layer against the same layer on the whole sequence."""
+    """The sequence-parallel layer against the same layer on the whole sequence (with
+    pieces of one's own: the gradient of the tensor a ScoreMod captures too)."""
     ref = make_layer(options, impl)
     lay = par.shard_sequence(copy.deepcopy(ref), mesh, layout=layout)
+    biases = [randn(MU, 17, seed=7).requires_grad_() for _ in range(2)]
+    if "own" in options:
+        ref.pattern, lay.pattern = own_pattern(biases[0]), own_pattern(biases[1])
     x, T, pad = randn(N, L, D, seed=1, requires_grad=True), randn(N, L, D, seed=2), \
         padding_for(options)
     (ref(x, key_padding_mask=pad) * T).sum().backward()
@@ -79,13 +92,16 @@ def compare(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
     for name, p in lay.named_parameters():
         dist.all_reduce(p.grad)  # each rank's grad is its tokens' share
         errors[f"d{name}"] = scaled_error(p.grad, getattr(ref, name).grad)
+    if "own" in options:  # a captured tensor's, as a parameter's
+        dist.all_reduce(biases[1].grad)
+        errors["dbias"] = scaled_error(biases[1].grad, biases[0].grad)
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     assert not bad, f"errors above {TOL:g}: {bad}"
     return errors
 
 
 CASES = ["causal gqa rope", "padding", "causal gqa padding",
-         "causal window softcap sinks gqa padding", "window alibi rope"]
+         "causal window softcap sinks gqa padding", "window alibi rope", "causal own gqa padding"]
 for _layout in ring.LAYOUTS:
     for _impl in ("chunked", "einsum"):
         for _options in CASES:

@@ -99,11 +99,12 @@ def _run_dropping(Q, K, V, mask, pattern, block_size: int, dropout: float) -> to
 def _run(Q, K, V, mask, pattern, block_size: int,
          drop: TileDropout | None = None) -> torch.Tensor:
     """Z by the ``autograd.Function`` where autograd records the call, else the forward."""
+    tensors = pattern.tensors  # what a ScoreMod captures: its gradients come back too
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (Q, K, V, mask, pattern.sinks)):
+                                       for t in (Q, K, V, mask, pattern.sinks, *tensors)):
         apply = _Attention.apply if TRACEABLE or not torch.compiler.is_compiling() \
             else _untraced_apply
-        return apply(Q, K, V, mask, pattern.sinks, pattern, block_size, drop)
+        return apply(Q, K, V, mask, pattern.sinks, pattern, block_size, drop, *tensors)
     return forward(Q, K, V, mask, pattern, block_size, drop)[0]
 
 
@@ -140,40 +141,43 @@ def _dense(Q, K, V, mask, pattern, block_size: int = 0,
 
 
 class _Attention(torch.autograd.Function):
-    """Forward saves Q, K, V, Z, lse (the mask, the sinks); backward recomputes P per tile."""
+    """Forward saves Q, K, V, Z, lse (the mask, the sinks); backward recomputes P per tile.
+    The tensors a ScoreMod captures come last, to receive their gradients."""
 
     @staticmethod
-    def forward(ctx, Q, K, V, mask, sinks, pattern, block_size: int, drop):
+    def forward(ctx, Q, K, V, mask, sinks, pattern, block_size: int, drop, *tensors):
         Z, lse = forward(Q, K, V, mask, pattern, block_size, drop)
-        ctx.save_for_backward(Q, K, V, Z, for_backward(lse), mask, sinks)
+        ctx.save_for_backward(Q, K, V, Z, for_backward(lse), mask, sinks, *tensors)
         ctx.pattern, ctx.block_size, ctx.drop = pattern, block_size, drop
         return Z
 
     @staticmethod
     def backward(ctx, dZ):
-        Q, K, V, Z, lse, mask, sinks = ctx.saved_tensors
+        Q, K, V, Z, lse, mask, sinks, *tensors = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a backward that can be differentiated
-            return (*_dense_grads(ctx, Q, K, V, mask, sinks, dZ), None, None, None)
+            dQ, dK, dV, dM, ds, *dT = _dense_grads(ctx, Q, K, V, mask, sinks, tensors, dZ)
+            return dQ, dK, dV, dM, ds, None, None, None, *dT
         with torch.autocast(dZ.device.type, enabled=False):
-            grads = backward(Q, K, V, Z, lse, mask, dZ, ctx.pattern, ctx.block_size,
-                              mask_grad=ctx.needs_input_grad[3], drop=ctx.drop)
-        return *grads, None, None, None
+            *grads, dT = backward(Q, K, V, Z, lse, mask, dZ, ctx.pattern, ctx.block_size,
+                                  mask_grad=ctx.needs_input_grad[3], drop=ctx.drop)
+        return *grads, None, None, None, *dT
 
 
 _untraced_apply = torch.compiler.disable(_Attention.apply)
 
 
-def _dense_grads(ctx, Q, K, V, mask, sinks, dZ):
-    """The gradients of Q, K, V (a float mask, the sinks) through the dense equations,
-    with a graph of their own: what a second derivative differentiates."""
-    inputs = (Q, K, V, mask, sinks)
-    wanted = [t for t, need in zip(inputs, ctx.needs_input_grad, strict=False) if need]
+def _dense_grads(ctx, Q, K, V, mask, sinks, tensors, dZ):
+    """The gradients of Q, K, V (a float mask, the sinks, what a ScoreMod captures) through
+    the dense equations, with a graph of their own: what a second derivative
+    differentiates."""
+    inputs = (Q, K, V, mask, sinks, None, None, None, *tensors)
+    wanted = [t for t, need in zip(inputs, ctx.needs_input_grad, strict=True) if need]
     with torch.autocast(dZ.device.type, enabled=False):
         pattern = ctx.pattern.with_sinks(sinks)  # the saved s[μ] itself
         Z = _dense(Q, K, V, mask, pattern, ctx.block_size, ctx.drop)
         grads = iter(torch.autograd.grad(Z, wanted, dZ, create_graph=True))
     return [next(grads) if need else None
-            for need in ctx.needs_input_grad[:5]]
+            for i, need in enumerate(ctx.needs_input_grad) if i not in (5, 6, 7)]
 
 
 

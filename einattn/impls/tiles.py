@@ -212,15 +212,16 @@ def for_backward(lse: torch.Tensor) -> torch.Tensor:
 
 def backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: bool,
              drop: TileDropout | None = None):
-    """``(dQ, dK, dV, dM, ds)`` over the tiles, each recomputing ``P = exp(S − lse)`` from
-    the forward's ``lse`` as :func:`for_backward` reads it (dM where ``mask_grad``, ds where
-    the pattern has sinks)."""
+    """``(dQ, dK, dV, dM, ds, dT)`` over the tiles, each recomputing ``P = exp(S − lse)``
+    from the forward's ``lse`` as :func:`for_backward` reads it (dM where ``mask_grad``, ds
+    where the pattern has sinks, dT: the gradients of the pattern's ``tensors``)."""
     g = K.shape[1]
     acc, dtypes = accumulator(Q.dtype), (Q.dtype, K.dtype, V.dtype)
     Q, K, V, Z, dZ = (t.to(acc) for t in (Q, K, V, Z, dZ))  # every tile in ≥ float32
     D = (dZ * Z).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z = Σ_σ P dP
     dQ, dK, dV = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (Q, K, V))
     dM = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask_grad else None
+    dT = [torch.zeros_like(t) for t in pattern.tensors]
     at = pattern.grid()
     for tile in tiles(pattern, block_size):
         tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
@@ -236,12 +237,14 @@ def backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: 
             target = _mask_tile(dM, tau, sigma)
             axes = _broadcast_axes(target.shape, dS.shape)
             target += (dS.sum(dim=axes, keepdim=True) if axes else dS).to(dM.dtype)
-        if pattern.scores:  # through cap(S) + B back to S
-            dS = pattern.score_grad(S, dS, at.tile(tau, sigma))
+        if pattern.scores:  # through cap(S) + B back to S (and what a ScoreMod captures)
+            dS, tensor_grads = pattern.score_grad(S, dS, at.tile(tau, sigma))
+            for total, part in zip(dT, tensor_grads, strict=True):
+                total += part
         dQ[:, :, tau] += QUERY_GRADS(dS=dS, K_b=K_b)
         dK[:, :, sigma] += KEY_GRADS(dS=dS, Q_t=Q_t, g=g)
     grads = [d.to(dtype) for d, dtype in zip((dQ, dK, dV), dtypes, strict=True)]
-    return (*grads, dM, sink_grad(pattern.sinks, lse, D))
+    return (*grads, dM, sink_grad(pattern.sinks, lse, D), dT)
 
 
 def sink_grad(sinks, lse, D):
