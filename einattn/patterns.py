@@ -43,8 +43,8 @@ from .errors import EinattnError
 from .notation import Equation
 
 __all__ = ["SINK", "SINK_LATEX", "ALiBi", "Causal", "Documents", "Grid", "Mask", "MaskMod",
-           "MaskPiece", "Pattern", "ScoreMod", "ScorePiece", "Sinks", "Softcap", "Window",
-           "alibi_slopes", "bind", "build", "check_softcap", "check_window", "grid",
+           "MaskPiece", "Pattern", "PrefixLM", "ScoreMod", "ScorePiece", "Sinks", "Softcap",
+           "Window", "alibi_slopes", "bind", "build", "check_softcap", "check_window", "grid",
            "pieces_of"]
 
 # -- pieces of the mask M: a predicate over (n, μ, τ, σ) --------------------------------------
@@ -133,6 +133,43 @@ class Documents(MaskPiece):
         every = ((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all(0).tolist()
         return lambda t0, t1, s0, s1: (some[(t0 - q0) // size][(s0 - k0) // size],
                                        every[(t0 - q0) // size][(s0 - k0) // size])
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixLM(MaskPiece):
+    """A prefix LM (T5's, UniLM's, PaliGemma's): the keys before the prefix, ``σ < p``, are
+    seen by every query, both ways; the rest causally, ``σ ≤ τ'``. ``prefix``: an int, or
+    one length per sample, integers ``(n,)``."""
+
+    prefix: int | torch.Tensor  # p, or p[n]
+    LATEX = r"M^{\text{prefix}}_{n\tau\sigma} = \begin{cases} 0 & \sigma < p_n \vee \sigma \le \tau' \\ -\infty & \text{otherwise} \end{cases}"  # noqa: E501
+    diagonal = True
+
+    @property
+    def static(self) -> bool:
+        return isinstance(self.prefix, int)
+
+    def allowed(self, n, mu, tau, sigma):
+        p = self.prefix if self.static else self.prefix[n]
+        return (sigma < p) | (sigma <= tau)
+
+    def bound(self, frame: Frame, dtype: torch.dtype) -> PrefixLM:
+        return PrefixLM(_checked_prefix(self.prefix, frame))
+
+    def judge(self, frame: Frame, size: int):
+        if not self.static and (torch.compiler.is_compiling() or type(frame.q0) is not int):
+            return super().judge(frame, size)
+        lo, hi = self._range()
+        return lambda t0, t1, s0, s1: (s0 < hi or s0 <= t1, s1 < lo or s1 <= t0)
+
+    def keys(self, frame: Frame, t0: int, t1: int):
+        return None, max(t1, self._range()[1] - 1)
+
+    def _range(self) -> tuple[int, int]:
+        """The least and the greatest prefix over the samples."""
+        if self.static:
+            return self.prefix, self.prefix
+        return int(self.prefix.min()), int(self.prefix.max())
 
 
 def _block_range(ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,6 +362,22 @@ def _checked_ids(ids, frame: Frame) -> torch.Tensor:
         raise EinattnError(f"document_ids is on {ids.device} but the scores are on "
                            f"{frame.device}")
     return ids
+
+
+def _checked_prefix(prefix, frame: Frame):
+    """``prefix`` itself, once it is an int ≥ 0 or integers ``(n,)`` on the call's device."""
+    if isinstance(prefix, int) and not isinstance(prefix, bool) and prefix >= 0:
+        return prefix
+    if not isinstance(prefix, torch.Tensor) or prefix.shape != (frame.n,) \
+            or prefix.is_floating_point() or prefix.is_complex() or prefix.dtype == torch.bool:
+        got = f"{prefix.dtype} {tuple(prefix.shape)}" if isinstance(prefix, torch.Tensor) \
+            else repr(prefix)
+        raise EinattnError(f"PrefixLM's prefix (the keys σ < p every query sees) must be an "
+                           f"int ≥ 0 or integers p[n] of shape (n,) = ({frame.n},), got {got}")
+    if prefix.device != frame.device:
+        raise EinattnError(f"PrefixLM's prefix is on {prefix.device} but the scores are on "
+                           f"{frame.device}")
+    return prefix
 
 
 def _per_head(t, name: str, what: str, frame: Frame) -> torch.Tensor:

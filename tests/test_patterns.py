@@ -839,6 +839,16 @@ ERRORS = {
     "two-sinks": (_call(sinks=torch.zeros(MU, dtype=F64),
                         pattern=patterns.Sinks(torch.ones(MU, dtype=F64))),
                   r"a pattern has one sink logit s\[μ\] per head: got two"),
+    **{f"prefix-{name}": (_call(pattern=patterns.PrefixLM(p)),
+                          rf"PrefixLM's prefix \(the keys σ < p every query sees\) must be an "
+                          rf"int ≥ 0 or integers p\[n\] of shape \(n,\) = \(3,\), got {got}")
+       for name, p, got in (("negative", -1, "-1"), ("bool", True, "True"),
+                            ("float", torch.ones(N), r"torch.float32 \(3,\)"),
+                            ("shape", torch.ones(N + 1, dtype=torch.long),
+                             r"torch.int64 \(4,\)"))},
+    "prefix-meta": (_call(pattern=patterns.PrefixLM(torch.ones(N, dtype=torch.long,
+                                                               device="meta"))),
+                    rf"PrefixLM's prefix is on meta but the scores are on {here()}"),
     "flex-dropout": (_call(impl="flex", causal=True, dropout=0.1),
                      r"impl='flex' has no dropout \(got dropout=0.1\); use impl='chunked' "
                      r"\(the same tiles, with dropout\), 'einsum' or 'sdpa'"),
@@ -889,6 +899,78 @@ def test_every_raise_site_in_patterns_py_is_reached(module):
     missing = sorted(_raise_lines(source) - reached)
     assert not missing, f"raise sites in {module}.py with no test: lines {missing}"
 
+
+
+# -- named pieces without a keyword: pattern=PrefixLM(p), ... ------------------------------------
+
+PREFIXES = torch.tensor([0, 5, 6])  # p[n]: none, and two prefixes cut by tiles of 3 and 4
+PIECE_CASES = {  # name -> (the piece, its mask from the definition on τ' and σ, (n, τ, σ))
+    "prefix": (lambda: patterns.PrefixLM(4), lambda n, t, s: (s < 4) | (s <= t)),
+    "prefix per sample": (lambda: patterns.PrefixLM(PREFIXES),
+                          lambda n, t, s: (s < PREFIXES[n]) | (s <= t)),
+    "prefix past the keys": (lambda: patterns.PrefixLM(12), lambda n, t, s: s < 12),
+}
+PREFILLED = [(0, 6), (6, 7), (7, 9), (9, 10)]  # a prefix must be whole before decoding
+
+
+def piece_mask(case: str, L_q: int, L_k: int) -> torch.Tensor:
+    """The case's dense mask ``(n, 1, τ, σ)``, True = may attend."""
+    tau, sigma = positions(L_q, L_k)
+    may = PIECE_CASES[case][1](torch.arange(N).view(-1, 1, 1), tau, sigma)
+    return torch.broadcast_to(may, (N, L_q, L_k))[:, None]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("case", list(PIECE_CASES))
+def test_named_pieces_equal_their_definitions(case, lengths, impl):
+    """Forward and the gradients of Q, K, V, at tiles of 3 (cutting the prefix mid-tile)."""
+    L_q, L_k = LENGTHS[lengths]
+    Q, K, V = qkv(L_q, L_k)
+    Z = F.attention(Q, K, V, pattern=PIECE_CASES[case][0](), impl=impl, block_size=3)
+    Z_ref = reference(Q, K, V, mask=piece_mask(case, L_q, L_k))[0]
+    assert_close_scaled(Z, Z_ref, TOL[F64])
+    dZ = randn(*Z.shape, seed=11)
+    for got, want in zip(torch.autograd.grad(Z, (Q, K, V), dZ),
+                         torch.autograd.grad(Z_ref, (Q, K, V), dZ), strict=True):
+        assert_close_scaled(got, want, TOL[F64])
+
+
+@pytest.mark.parametrize("case", list(PIECE_CASES))
+def test_named_pieces_on_flex(case):
+    Q, K, V = qkv(9, 9, requires_grad=False)
+    Z = flex(Q, K, V, pattern=PIECE_CASES[case][0]())
+    assert_close_scaled(Z, reference(Q, K, V, mask=piece_mask(case, 9, 9))[0], TOL[F64])
+
+
+@pytest.mark.parametrize("size", [3, 4])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("case", list(PIECE_CASES))
+def test_named_pieces_judge_their_tiles_exactly(case, lengths, size):
+    """The tiles named are those with some key seen, partial where some is not."""
+    L_q, L_k = LENGTHS[lengths]
+    may = piece_mask(case, L_q, L_k)[:, 0]
+    tiles = patterns.build(n=N, n_heads=MU, L_q=L_q, L_k=L_k, dtype=F64,
+                           device=torch.get_default_device(),
+                           pattern=PIECE_CASES[case][0]()).tiles(size)
+    named = {(t0 // size, s0 // size): partial for t0, _, s0, _, partial in tiles}
+    for bt in range(-(-L_q // size)):
+        for bs in range(-(-L_k // size)):
+            block = may[:, bt * size:(bt + 1) * size, bs * size:(bs + 1) * size]
+            assert ((bt, bs) in named) == bool(block.any()), (bt, bs)
+            assert named.get((bt, bs), False) == (bool(block.any()) and not block.all())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", [c for c in PIECE_CASES if c != "prefix past the keys"])
+def test_named_pieces_decode_as_one_forward(case, impl):
+    """A layer with the piece: prefill, then steps of one and of several tokens."""
+    layer = random_layer(impl=impl, block_size=3, pattern=PIECE_CASES[case][0]())
+    x = randn(N, 10, D_MODEL, seed=1)
+    cache = KVCache()
+    with torch.no_grad():
+        Y = torch.cat([layer(x[:, t0:t1], cache=cache) for t0, t1 in PREFILLED], dim=1)
+        assert_close_scaled(Y, layer(x), TOL[F64])
 
 
 # -- the pieces written as equations: the softcap's CAP, the sink's SINK ----------------------
