@@ -42,10 +42,10 @@ from ._piece import Frame, Grid, MaskPiece, ScorePiece, grid
 from .errors import EinattnError
 from .notation import Equation
 
-__all__ = ["SINK", "SINK_LATEX", "ALiBi", "Causal", "Documents", "Grid", "Mask", "MaskMod",
-           "MaskPiece", "Pattern", "PrefixLM", "ScoreMod", "ScorePiece", "Sinks", "Softcap",
-           "Window", "alibi_slopes", "bind", "build", "check_softcap", "check_window", "grid",
-           "pieces_of"]
+__all__ = ["SINK", "SINK_LATEX", "ALiBi", "Causal", "ChunkedLocal", "Documents", "Grid",
+           "Mask", "MaskMod", "MaskPiece", "Pattern", "PrefixLM", "ScoreMod", "ScorePiece",
+           "Sinks", "Softcap", "Window", "alibi_slopes", "bind", "build", "check_softcap",
+           "check_window", "grid", "pieces_of"]
 
 # -- pieces of the mask M: a predicate over (n, μ, τ, σ) --------------------------------------
 
@@ -170,6 +170,43 @@ class PrefixLM(MaskPiece):
         if self.static:
             return self.prefix, self.prefix
         return int(self.prefix.min()), int(self.prefix.max())
+
+
+@dataclass(frozen=True)
+class ChunkedLocal(MaskPiece):
+    """Chunked local attention (Llama 4's local layers): the sequence is cut into chunks of
+    ``c`` positions, and a query sees the keys of its own chunk up to itself,
+    ``⌊τ'/c⌋ = ⌊σ/c⌋ ∧ σ ≤ τ'``."""
+
+    c: int
+    LATEX = r"M^{\text{chunk}}_{\tau\sigma} = \begin{cases} 0 & \lfloor \tau' / c \rfloor = \lfloor \sigma / c \rfloor \wedge \sigma \le \tau' \\ -\infty & \text{otherwise} \end{cases}"  # noqa: E501
+    diagonal = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.c, bool) or not isinstance(self.c, int) or self.c < 1:
+            raise EinattnError(f"ChunkedLocal's c (positions per chunk) must be an int ≥ 1, "
+                               f"got {self.c!r}")
+
+    def allowed(self, n, mu, tau, sigma):
+        return (tau // self.c == sigma // self.c) & (sigma <= tau)
+
+    def judge(self, frame: Frame, size: int):
+        return self.tile
+
+    def tile(self, t0: int, t1: int, s0: int, s1: int) -> tuple[bool, bool]:
+        """Some key is seen where a chunk k holds queries and keys of the tile with one key
+        at or before one query: a chunk after the first key's, or the first key's with
+        ``σ0 ≤ τ1``; every key where one chunk holds the whole tile, its keys first."""
+        c = self.c
+        first, last = max(t0, s0) // c, min(t1, s1) // c  # the chunks both sides reach
+        some = first <= last and (s0 <= t1 or last > s0 // c)
+        return some, t0 // c == t1 // c == s0 // c == s1 // c and s1 <= t0
+
+    def keys(self, frame: Frame, t0: int, t1: int) -> tuple:
+        return t0 // self.c * self.c, t1
+
+    def first_row(self, s0: int) -> int:
+        return s0
 
 
 def _block_range(ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:

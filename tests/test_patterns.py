@@ -849,6 +849,9 @@ ERRORS = {
     "prefix-meta": (_call(pattern=patterns.PrefixLM(torch.ones(N, dtype=torch.long,
                                                                device="meta"))),
                     rf"PrefixLM's prefix is on meta but the scores are on {here()}"),
+    **{f"chunk-{c}": (lambda c=c: patterns.ChunkedLocal(c),
+                      rf"ChunkedLocal's c \(positions per chunk\) must be an int ≥ 1, got {c}")
+       for c in (0, 2.5, True)},
     "flex-dropout": (_call(impl="flex", causal=True, dropout=0.1),
                      r"impl='flex' has no dropout \(got dropout=0.1\); use impl='chunked' "
                      r"\(the same tiles, with dropout\), 'einsum' or 'sdpa'"),
@@ -909,6 +912,10 @@ PIECE_CASES = {  # name -> (the piece, its mask from the definition on τ' and �
     "prefix per sample": (lambda: patterns.PrefixLM(PREFIXES),
                           lambda n, t, s: (s < PREFIXES[n]) | (s <= t)),
     "prefix past the keys": (lambda: patterns.PrefixLM(12), lambda n, t, s: s < 12),
+    "chunked local": (lambda: patterns.ChunkedLocal(4),
+                      lambda n, t, s: (t // 4 == s // 4) & (s <= t)),
+    "chunked local of 5": (lambda: patterns.ChunkedLocal(5),
+                           lambda n, t, s: (t // 5 == s // 5) & (s <= t)),
 }
 PREFILLED = [(0, 6), (6, 7), (7, 9), (9, 10)]  # a prefix must be whole before decoding
 
