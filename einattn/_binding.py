@@ -12,6 +12,7 @@ and gives the :class:`Pattern` the impls read. The pieces' own faces are in
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -138,13 +139,15 @@ class Pattern:
             sigma = sigma + self._k0
         return n, mu, tau, sigma
 
-    def allowed(self, at) -> torch.Tensor | None:
-        """The mask pieces and-ed at ``at``: True = may attend (None: no piece)."""
-        if not self.masks:
+    def allowed(self, at, which=True) -> torch.Tensor | None:
+        """The mask pieces and-ed at ``at``: True = may attend (None: no piece); ``which``,
+        a tile's set of the pieces that do not allow all of it, evaluates those alone."""
+        masks = self.masks if which is True else [self.masks[i] for i in sorted(which)]
+        if not masks:
             return None
         n, mu, tau, sigma = self.positions(at)
-        ok = self.masks[0].allowed(n, mu, tau, sigma)
-        for piece in self.masks[1:]:
+        ok = masks[0].allowed(n, mu, tau, sigma)
+        for piece in masks[1:]:
             ok = ok & piece.allowed(n, mu, tau, sigma)
         return ok
 
@@ -180,18 +183,24 @@ class Pattern:
             grads = tuple(piece_grads) + grads
         return dS, grads
 
-    def tiles(self, size: int) -> list:
+    def tiles(self, size: int, cut: bool = False, which: bool = False) -> list:
         """``(τ0, τ1, σ0, σ1, partial)`` (local, ends excluded) for each tile of ``size``
         that the mask pieces leave some key of; ``partial``: not every one. Rows are judged
-        only within the pieces' reach (a window's: O(L·w) tiles, not O(L²)); the tiles of
-        a pattern of positions alone are kept per pattern, sizes and ``size``."""
+        only within the pieces' reach (a window's: O(L·w) tiles, not O(L²)); with ``cut``,
+        tiles are also cut where a piece says (where documents change: no tile then mixes
+        two, and the diagonal's are all that is partial), and a partial tile of
+        :data:`REFINED` or more a side is judged again in quarters (a causal diagonal's empty
+        quarter is left out: the chunked path's); with ``which``, ``partial`` is the
+        set of the pieces that do not allow all of the tile (empty: full). The tiles of a
+        pattern of positions alone are kept per pattern, sizes and ``size``."""
         f = self.frame
         if type(f.q0) is not int:  # a static cache's count: known on the device only
             return [(t0, min(t0 + size, f.L_q), s0, min(s0 + size, f.L_k), bool(self.masks))
                     for t0 in range(0, f.L_q, size) for s0 in range(0, f.L_k, size)]
         if self.key is None or torch.compiler.is_compiling():
-            return _tiles(self.masks, f, size)
-        return _kept_tiles(self.masks, f, size)
+            cuts = sorted({c for p in self.masks for c in p.cuts(f)}) if cut else None
+            return _tiles(self.masks, f, size, cuts, which)
+        return _kept_tiles(self.masks, f, size, cut, which)
 
     def reach(self) -> tuple[int, int, bool]:
         """The keys ``[σ0, σ1)`` (local) that some query may see, and whether the mask
@@ -253,28 +262,60 @@ def _local(reach: tuple, frame: Frame) -> tuple:
     return s0, s1
 
 
-def _tiles(masks: tuple, frame: Frame, size: int) -> list:
-    L_q, L_k, q0, k0 = frame.L_q, frame.L_k, frame.q0, frame.k0
+def _edges(size: int, length: int, start: int, cuts) -> list:
+    """Where tiles of ``size`` begin along ``length`` positions from ``start``, and the cuts
+    (positions) within them: local, the end last."""
+    edges = set(range(0, length, size)) | {c - start for c in cuts if 0 < c - start < length}
+    return [*sorted(edges), length]
+
+
+REFINED = 256  # a partial tile this large (or larger) a side is judged again in quarters
+
+
+def _tiles(masks: tuple, frame: Frame, size: int, cuts=None, which: bool = False) -> list:
+    """:meth:`Pattern.tiles`; ``cuts`` None: no cut, else the cuts and quarters."""
     judges = [piece.judge(frame, size) for piece in masks]
+    rows = _edges(size, frame.L_q, frame.q0, cuts or ())
+    cols = _edges(size, frame.L_k, frame.k0, cuts or ())
     tiles = []
-    for t0 in range(0, L_q, size):
-        t1 = min(t0 + size, L_q)
-        lo, hi = _local(_reach_of(masks, frame, t0 + q0, t1 - 1 + q0), frame)
-        for s0 in range(lo // size * size, hi, size):  # only the key blocks within reach
-            s1 = min(s0 + size, L_k)
-            some, every = True, True
-            for judge in judges:
-                piece_some, piece_every = judge(t0 + q0, t1 - 1 + q0, s0 + k0, s1 - 1 + k0)
-                some, every = some and piece_some, every and piece_every
-            first = _first_row(masks, t0, s0 + k0, q0)
-            if some and first < t1:
-                tiles.append((first, t1, s0, s1, not every))
-    return tiles
+    for t0, t1 in itertools.pairwise(rows):
+        lo, hi = _local(_reach_of(masks, frame, t0 + frame.q0, t1 - 1 + frame.q0), frame)
+        start = sum(c <= lo for c in cols) - 1 if cuts else lo // size  # within reach
+        for s0, s1 in itertools.pairwise(cols[start:]):
+            if s0 >= hi:
+                break
+            tile = _judged(masks, judges, frame, (t0, t1, s0, s1))
+            if tile is not None and cuts is not None and tile[4] \
+                    and min(t1 - t0, s1 - s0) >= REFINED:  # a causal diagonal: 3 quarters
+                tiles += _quartered(masks, judges, frame, (t0, t1, s0, s1))
+            elif tile is not None:
+                tiles.append(tile)
+    return tiles if which else [(*t[:4], bool(t[4])) for t in tiles]
+
+
+def _judged(masks: tuple, judges: list, frame: Frame, tile: tuple):
+    """``(τ0', τ1, σ0, σ1, partial pieces)`` of one tile (local, ends excluded; ``τ0'``
+    its first row that sees a key), or None where no key of it is seen."""
+    t0, t1, s0, s1 = tile
+    q0, k0 = frame.q0, frame.k0
+    answers = [judge(t0 + q0, t1 - 1 + q0, s0 + k0, s1 - 1 + k0) for judge in judges]
+    first = _first_row(masks, t0, s0 + k0, q0)
+    if not all(some for some, _ in answers) or first >= t1:
+        return None
+    return first, t1, s0, s1, frozenset(i for i, (_, every) in enumerate(answers) if not every)
+
+
+def _quartered(masks: tuple, judges: list, frame: Frame, tile: tuple) -> list:
+    """The quarters of a tile that some key of is seen in, each judged."""
+    t0, t1, s0, s1 = tile
+    tm, sm = (t0 + t1) // 2, (s0 + s1) // 2
+    quarters = [(a, b, c, d) for a, b in ((t0, tm), (tm, t1)) for c, d in ((s0, sm), (sm, s1))]
+    return [t for t in (_judged(masks, judges, frame, q) for q in quarters) if t is not None]
 
 
 @functools.lru_cache(maxsize=64)
-def _kept_tiles(masks: tuple, frame: Frame, size: int) -> list:
-    return _tiles(masks, frame, size)
+def _kept_tiles(masks: tuple, frame: Frame, size: int, cut: bool, which: bool) -> list:
+    return _tiles(masks, frame, size, () if cut else None, which)
 
 
 def _first_row(masks: tuple, t0: int, s0: int, q0: int) -> int:

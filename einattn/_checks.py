@@ -19,10 +19,14 @@ def check_impl(impl: str) -> str:
     return impl
 
 
+def _finite_positive(x) -> bool:
+    """Whether ``x`` is a number (not a bool) with ``0 < x < ∞``."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < math.inf
+
+
 def check_scale(scale) -> float:
     """``scale`` itself, once it is known to be a finite positive number."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-            or not 0 < scale < math.inf:
+    if not _finite_positive(scale):
         raise EinattnError(f"scale (s in S = s · Q K, 1/√a by default) must be a finite "
                            f"positive number, got {scale!r}")
     return scale
@@ -90,3 +94,66 @@ def check_factory(device, dtype) -> dict:
         raise EinattnError(f"device must be a torch.device, its name or its index ('cpu', "
                            f"'cuda:0', 0, ...), got {device!r}") from None
     return {"device": device, "dtype": dtype}
+
+
+def check_window(window) -> int:
+    """``window`` itself, once it is known to be an int ≥ 1."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise EinattnError(f"window (the number of keys σ a query τ sees, itself included) "
+                           f"must be an int ≥ 1, got {window!r}")
+    return window
+
+
+def check_softcap(softcap) -> float:
+    """``softcap`` itself, once it is known to be a finite number > 0."""
+    if not _finite_positive(softcap):
+        raise EinattnError(f"softcap (c in cap(S) = c · tanh(S / c)) must be a finite number "
+                           f"> 0, got {softcap!r}")
+    return float(softcap)
+
+
+def check_document_ids(ids, n: int, L_q: int, L_k: int, device) -> torch.Tensor:
+    """``document_ids`` itself, once it holds one integer id per key, ``(n, L_k)``, with the
+    queries among the keys."""
+    if L_q > L_k:
+        raise EinattnError(f"document_ids needs the queries among the keys (L_q ≤ L_k, the "
+                           f"queries being the last L_q): got L_q={L_q} queries and "
+                           f"L_k={L_k} keys")
+    if not isinstance(ids, torch.Tensor) or ids.shape != (n, L_k):
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise EinattnError(f"document_ids has shape {shape} but must be (n, σ) = ({n}, {L_k}): "
+                           f"one document id d[n σ] per key (the queries' are the last "
+                           f"L_q={L_q})")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise EinattnError(f"document_ids must hold integers (one id per document), got "
+                           f"{ids.dtype}")
+    if ids.device != device:
+        raise EinattnError(f"document_ids is on {ids.device} but the scores are on {device}")
+    return ids
+
+
+def check_prefix(prefix, n: int, device):
+    """``prefix`` itself, once it is an int ≥ 0 or integers ``(n,)`` on the call's device."""
+    if isinstance(prefix, int) and not isinstance(prefix, bool) and prefix >= 0:
+        return prefix
+    if not isinstance(prefix, torch.Tensor) or prefix.shape != (n,) \
+            or prefix.is_floating_point() or prefix.is_complex() or prefix.dtype == torch.bool:
+        got = f"{prefix.dtype} {tuple(prefix.shape)}" if isinstance(prefix, torch.Tensor) \
+            else repr(prefix)
+        raise EinattnError(f"PrefixLM's prefix (the keys σ < p every query sees) must be an "
+                           f"int ≥ 0 or integers p[n] of shape (n,) = ({n},), got {got}")
+    if prefix.device != device:
+        raise EinattnError(f"PrefixLM's prefix is on {prefix.device} but the scores are on "
+                           f"{device}")
+    return prefix
+
+
+def check_per_head(t, name: str, what: str, n_heads: int, device) -> torch.Tensor:
+    """``t`` itself, once it is a float tensor of one value per head on the call's device."""
+    if not isinstance(t, torch.Tensor) or t.shape != (n_heads,) or not t.is_floating_point():
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
+        raise EinattnError(f"{name} must be {what} of shape (n_heads,) = ({n_heads},), "
+                           f"got {got}")
+    if t.device != device:
+        raise EinattnError(f"{name} is on {t.device} but the scores are on {device}")
+    return t

@@ -19,7 +19,8 @@ A piece says what it is, ``KIND`` ("mask", "score" or "sink"), and gives its LaT
   False: a tile judged partial is masked where it is visited, which is always right);
 * ``keys(frame, τ0, τ1)``: the key positions ``(lo, hi)`` the queries ``τ0..τ1`` may see at
   most (either None: no bound), or None; ``first_row(σ0)``: the first query position that sees
-  key σ0 or a later one, or None;
+  key σ0 or a later one, or None; ``cuts(frame)``: positions a tile had better not straddle
+  (where documents change), whose tiles then lie within one run of them;
 * ``diagonal`` (every query may see the key at its own position), ``is_causal`` (it is the
   causal rule, which SDPA runs as ``is_causal``) and ``static`` (its judgement depends on
   positions alone, so it may be kept per pattern and sizes).
@@ -116,6 +117,9 @@ class MaskPiece:
 
     def first_row(self, s0: int):
         return None
+
+    def cuts(self, frame: Frame) -> tuple:
+        return ()
 
     def bound(self, frame: Frame, dtype: torch.dtype) -> MaskPiece:
         return self

@@ -31,12 +31,18 @@ is one more class here with the faces above.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ._binding import Pattern, bind
+from ._checks import (
+    check_document_ids,
+    check_per_head,
+    check_prefix,
+    check_softcap,
+    check_window,
+)
 from ._mods import Mask, MaskMod, ScoreMod
 from ._piece import Frame, Grid, MaskPiece, ScorePiece, grid
 from .errors import EinattnError
@@ -117,11 +123,13 @@ class Documents(MaskPiece):
         return self.ids[n, tau] == self.ids[n, sigma]
 
     def bound(self, frame: Frame, dtype: torch.dtype) -> Documents:
-        return Documents(_checked_ids(self.ids, frame))
+        return Documents(check_document_ids(self.ids, frame.n, frame.L_q, frame.L_k,
+                                            frame.device))
 
     def judge(self, frame: Frame, size: int):
         """Per tile: empty where no two ids of its rows and columns can be equal (their
-        ranges lie apart, for every n); full where all of them are one id. Under
+        ranges lie apart, for every n); full where all of them are one id; a tile within
+        one run of ids on each side (cut where documents change) by its two ids. Under
         ``torch.compile``, which cannot read the ids' values, every tile is partial."""
         if torch.compiler.is_compiling() or type(frame.q0) is not int:
             return super().judge(frame, size)
@@ -131,8 +139,28 @@ class Documents(MaskPiece):
         q_lo, q_hi, k_lo, k_hi = q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None], k_hi[:, None]
         some = ((q_lo <= k_hi) & (k_lo <= q_hi)).any(0).tolist()
         every = ((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all(0).tolist()
-        return lambda t0, t1, s0, s1: (some[(t0 - q0) // size][(s0 - k0) // size],
-                                       every[(t0 - q0) // size][(s0 - k0) // size])
+        run, ids = self._runs(), self.ids.T.tolist()  # run[σ], ids[σ][n]
+
+        def tile(t0: int, t1: int, s0: int, s1: int) -> tuple[bool, bool]:
+            if run[t0] == run[t1] and run[s0] == run[s1]:
+                same = [a == b for a, b in zip(ids[t0], ids[s0], strict=True)]
+                return any(same), all(same)
+            return some[(t0 - q0) // size][(s0 - k0) // size], \
+                every[(t0 - q0) // size][(s0 - k0) // size]
+        return tile
+
+    def _runs(self) -> list:
+        """For each position, which run of unchanged ids (over every n) it is in."""
+        change = (self.ids[:, 1:] != self.ids[:, :-1]).any(0)
+        return torch.cat([change.new_zeros(1), change]).cumsum(0).tolist()
+
+    def cuts(self, frame: Frame) -> tuple:
+        """Where the ids change, where few do (at most 8, or one position in 16: packed
+        documents, not interleaved ids, whose tiles would be slivers)."""
+        if torch.compiler.is_compiling() or type(frame.q0) is not int:
+            return ()
+        change = (self.ids[:, 1:] != self.ids[:, :-1]).any(0).nonzero().flatten() + 1
+        return tuple(change.tolist()) if len(change) <= max(8, self.ids.shape[1] // 16) else ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,7 +182,7 @@ class PrefixLM(MaskPiece):
         return (sigma < p) | (sigma <= tau)
 
     def bound(self, frame: Frame, dtype: torch.dtype) -> PrefixLM:
-        return PrefixLM(_checked_prefix(self.prefix, frame))
+        return PrefixLM(check_prefix(self.prefix, frame.n, frame.device))
 
     def judge(self, frame: Frame, size: int):
         if not self.static and (torch.compiler.is_compiling() or type(frame.q0) is not int):
@@ -269,7 +297,8 @@ class ALiBi(ScorePiece):
         if self.slopes is None:
             return ALiBi(alibi_slopes(frame.n_heads, dtype=dtype, device=frame.device))
         what = "True (BLOOM's slopes) or a float tensor of slopes m[μ]"
-        return ALiBi(_per_head(self.slopes, "alibi", what, frame).to(dtype))
+        return ALiBi(check_per_head(self.slopes, "alibi", what, frame.n_heads, frame.device)
+                     .to(dtype))
 
     def tile_refusal(self, impl: str) -> str | None:
         if not (torch.is_grad_enabled() and self.slopes.requires_grad):
@@ -317,7 +346,8 @@ class Sinks:
         return SINK_LATEX
 
     def bound(self, frame: Frame, dtype: torch.dtype) -> Sinks:
-        return Sinks(_per_head(self.s, "sinks", "a float tensor of sink logits s[μ]", frame))
+        return Sinks(check_per_head(self.s, "sinks", "a float tensor of sink logits s[μ]",
+                                    frame.n_heads, frame.device))
 
 
 # -- the keyword shorthands, and what pattern= takes ---------------------------------------------
@@ -362,68 +392,3 @@ def build(*, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dtype, devic
     sizes (each error names its option)."""
     return bind(pieces_of(pattern, **keywords), n=n, n_heads=n_heads, L_q=L_q, L_k=L_k,
                 dtype=dtype, device=torch.device(device))
-
-
-def check_window(window) -> int:
-    """``window`` itself, once it is known to be an int ≥ 1."""
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise EinattnError(f"window (the number of keys σ a query τ sees, itself included) "
-                           f"must be an int ≥ 1, got {window!r}")
-    return window
-
-
-def check_softcap(softcap) -> float:
-    """``softcap`` itself, once it is known to be a finite number > 0."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) \
-            or not 0 < softcap < math.inf:
-        raise EinattnError(f"softcap (c in cap(S) = c · tanh(S / c)) must be a finite number "
-                           f"> 0, got {softcap!r}")
-    return float(softcap)
-
-
-def _checked_ids(ids, frame: Frame) -> torch.Tensor:
-    n, L_q, L_k = frame.n, frame.L_q, frame.L_k
-    if L_q > L_k:
-        raise EinattnError(f"document_ids needs the queries among the keys (L_q ≤ L_k, the "
-                           f"queries being the last L_q): got L_q={L_q} queries and "
-                           f"L_k={L_k} keys")
-    if not isinstance(ids, torch.Tensor) or ids.shape != (n, L_k):
-        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise EinattnError(f"document_ids has shape {shape} but must be (n, σ) = ({n}, {L_k}): "
-                           f"one document id d[n σ] per key (the queries' are the last "
-                           f"L_q={L_q})")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise EinattnError(f"document_ids must hold integers (one id per document), got "
-                           f"{ids.dtype}")
-    if ids.device != frame.device:
-        raise EinattnError(f"document_ids is on {ids.device} but the scores are on "
-                           f"{frame.device}")
-    return ids
-
-
-def _checked_prefix(prefix, frame: Frame):
-    """``prefix`` itself, once it is an int ≥ 0 or integers ``(n,)`` on the call's device."""
-    if isinstance(prefix, int) and not isinstance(prefix, bool) and prefix >= 0:
-        return prefix
-    if not isinstance(prefix, torch.Tensor) or prefix.shape != (frame.n,) \
-            or prefix.is_floating_point() or prefix.is_complex() or prefix.dtype == torch.bool:
-        got = f"{prefix.dtype} {tuple(prefix.shape)}" if isinstance(prefix, torch.Tensor) \
-            else repr(prefix)
-        raise EinattnError(f"PrefixLM's prefix (the keys σ < p every query sees) must be an "
-                           f"int ≥ 0 or integers p[n] of shape (n,) = ({frame.n},), got {got}")
-    if prefix.device != frame.device:
-        raise EinattnError(f"PrefixLM's prefix is on {prefix.device} but the scores are on "
-                           f"{frame.device}")
-    return prefix
-
-
-def _per_head(t, name: str, what: str, frame: Frame) -> torch.Tensor:
-    """``t`` itself, once it is a float tensor of one value per head on the call's device."""
-    n_heads = frame.n_heads
-    if not isinstance(t, torch.Tensor) or t.shape != (n_heads,) or not t.is_floating_point():
-        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
-        raise EinattnError(f"{name} must be {what} of shape (n_heads,) = ({n_heads},), "
-                           f"got {got}")
-    if t.device != frame.device:
-        raise EinattnError(f"{name} is on {t.device} but the scores are on {frame.device}")
-    return t

@@ -292,7 +292,7 @@ def test_quick_json_times_the_window_in_both_modes(quick):
     assert set(section["skipped"]) >= set(bench.FLEX_FORMS)
     assert section["skipped"]["flex"] == "--no-compile"
     assert section["memory"] == {"skipped": "--no-memory"}
-    expected = set(bench.PATTERN_FORMS) - set(section["skipped"])
+    expected = set(bench.PATTERN_FORMS + bench.DOCUMENT_FORMS) - set(section["skipped"])
     assert "sdpa_dense" in expected and "einsum" in expected
     rows = section["timings"]
     assert [r["mode"] for r in rows] == list(bench.MODES)

@@ -147,13 +147,15 @@ def test_a_kv_cache_decodes_one_token_at_a_time_as_one_forward(impl):
         assert_close_scaled(torch.cat(steps, dim=1), layer(x, pattern=mod), TOL[F64])
 
 
+@pytest.mark.parametrize("w, L, block", [(5, 37, 8), (256, 300, 64)])
 @pytest.mark.parametrize("impl", [*IMPLS, "flex"])
-def test_a_mask_string_is_the_causal_window_on_every_impl(impl):
-    Q, K, V = qkv(37, 37, requires_grad=False)
+def test_a_mask_string_is_the_causal_window_on_every_impl(impl, w, L, block):
+    Q, K, V = qkv(L, L, requires_grad=False)
     with torch.no_grad():
-        by_string = F.attention(Q, K, V, pattern=Mask("σ ≤ τ ∧ τ − σ < w", w=5), impl=impl,
-                                block_size=8)
-        by_pieces = F.attention(Q, K, V, pattern=Causal() & Window(5), impl=impl, block_size=8)
+        by_string = F.attention(Q, K, V, pattern=Mask("σ ≤ τ ∧ τ − σ < w", w=w), impl=impl,
+                                block_size=block)
+        by_pieces = F.attention(Q, K, V, pattern=Causal() & Window(w), impl=impl,
+                                block_size=block)
     assert_close_scaled(by_string, by_pieces, TOL[F64])
 
 

@@ -562,6 +562,24 @@ def test_tiles_against_a_dense_evaluation(case, L_q, L_k, size):
                 assert ((bt, bs) in named) == some, (bt, bs)
 
 
+@pytest.mark.parametrize("L_q, L_k", [(13, 13), (10, 17)])
+def test_packed_documents_cut_the_tiles(L_q, L_k):
+    """The chunked path's tiles of packed documents, cut where the documents change (of any
+    sample): none holds two documents, a tile called full is, and they cover every key each
+    query sees, once."""
+    ids = documents(L_k)
+    pattern = patterns.build(n=N, n_heads=MU, L_q=L_q, L_k=L_k, dtype=F64,
+                             device=torch.get_default_device(), causal=True, document_ids=ids)
+    may = allowed_keys(N, L_q, L_k, causal=True, document_ids=ids)[:, 0]
+    covered = torch.zeros(L_q, L_k, dtype=torch.long)
+    for t0, t1, s0, s1, partial in pattern.tiles(4, cut=True):
+        queries, keys = ids[:, L_k - L_q + t0:L_k - L_q + t1], ids[:, s0:s1]
+        assert (queries == queries[:, :1]).all() and (keys == keys[:, :1]).all()
+        assert partial or may[:, t0:t1, s0:s1].all()
+        covered[t0:t1, s0:s1] += 1
+    assert (covered > 0)[may.any(0)].all() and covered.max() == 1
+
+
 def scores_computed(monkeypatch, L_q, L_k, size, **opts) -> int:
     """How many scores (τ, σ) of one head chunked attention computes in its forward (its
     backward recomputes the same tiles), over every tile it visits."""

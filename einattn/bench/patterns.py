@@ -9,8 +9,15 @@
                     ``(kv <= q) & (kv > q - w)`` and a ``create_block_mask`` made once
     flex            einattn, impl="flex": FlexAttention, its BlockMask made on each call
                     from the chunked path's judgement of each tile
+    chunked_maskmod the window written as a MaskMod, FlexAttention's mask_mod above
+    chunked_mask    the window written as a Mask string, ``"σ ≤ τ ∧ τ − σ < w"``
 
-The dense mask and the hand-written BlockMask are made once, outside the timed calls, as a
+and 8 packed documents of random lengths (``d[n τ] = d[n σ]``, causal):
+
+    sdpa_documents     F.scaled_dot_product_attention with the dense bool mask ``[τ σ]``
+    chunked_documents  einattn, impl="chunked", causal=True, document_ids=d
+
+The dense masks and the hand-written BlockMask are made once, outside the timed calls, as a
 user caches them; what making them costs is reported apart (:class:`Setup`), with each
 compiled form's first call. FlexAttention's CPU kernels are forward only: the flex forms
 have no forward+backward row on a CPU.
@@ -30,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..functional import attention
+from ..patterns import Mask, MaskMod
 from .forms import MODES, unavailable
 from .memory import PATTERN_MEMORY_METHOD, MemoryRow, measured, peak_growth
 from .settings import PatternSize
@@ -38,15 +46,24 @@ from .timing import Row, relative_deviation, time_interleaved
 if TYPE_CHECKING:
     from .settings import Settings
 
-PATTERN_FORMS = ("sdpa_dense", "chunked", "chunked_causal", "einsum", "flex_compiled", "flex")
+PATTERN_FORMS = ("sdpa_dense", "chunked", "chunked_maskmod", "chunked_mask", "chunked_causal",
+                 "einsum", "flex_compiled", "flex")  # the window's
 PATTERN_NAMES = {"sdpa_dense": "SDPA, dense mask", "chunked": "einattn chunked",
+                 "chunked_maskmod": "einattn chunked, MaskMod",
+                 "chunked_mask": "einattn chunked, Mask string",
                  "chunked_causal": "einattn chunked, no window",
                  "einsum": "einattn einsum", "flex_compiled": "compiled flex (hand-written)",
-                 "flex": 'einattn impl="flex"'}
+                 "flex": 'einattn impl="flex"', "sdpa_documents": "SDPA, dense documents",
+                 "chunked_documents": "einattn chunked, documents"}
+DOCUMENT_FORMS = ("sdpa_documents", "chunked_documents")
+N_DOCUMENTS = 8
+# Forward only, at the memory lengths: no L × L tensor (64 MiB of bool at L = 8192) is made.
+FORWARD_MEMORY_FORMS = ("chunked_mask",)
+FORWARD_MEMORY_LIMIT = 32 * 2 ** 20
 FLEX_FORMS = ("flex_compiled", "flex")
 FORWARD_ONLY = "FlexAttention's CPU kernels are forward only"
 # The forms whose peak memory is measured: the window's, the same without it, the dense one.
-PATTERN_MEMORY_FORMS = ("chunked", "chunked_causal", "sdpa_dense")
+PATTERN_MEMORY_FORMS = ("chunked", "chunked_causal", "sdpa_dense", "chunked_mask")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,6 +72,26 @@ def window_mask(L: int, window: int) -> torch.Tensor:
     """The dense causal-window mask ``[τ σ]``, True = may attend: ``τ − w < σ ≤ τ``."""
     tau, sigma = torch.arange(L)[:, None], torch.arange(L)[None, :]
     return (sigma <= tau) & (sigma > tau - window)
+
+
+def window_mod(w: int):
+    """The causal window as FlexAttention's mask_mod, ``(kv <= q) & (q − kv < w)``."""
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (q - kv < w)
+    return mask_mod
+
+
+def document_ids(L: int, *, seed: int = 3) -> torch.Tensor:
+    """``d[n σ]`` of :data:`N_DOCUMENTS` documents of random lengths packed in ``L``."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randperm(L - 1, generator=g)[:N_DOCUMENTS - 1] + 1
+    return torch.zeros(L, dtype=torch.long).index_fill_(0, starts, 1).cumsum(0)[None]
+
+
+def documents_mask(ids: torch.Tensor) -> torch.Tensor:
+    """The dense causal documents mask ``[τ σ]``, True = may attend."""
+    d = ids[0]
+    return (d[:, None] == d[None, :]) & torch.ones(len(d), len(d), dtype=torch.bool).tril()
 
 
 def pattern_inputs(size: PatternSize, *, seed: int = 1, dtype: torch.dtype = torch.float32):
@@ -97,11 +134,21 @@ def pattern_forms(size: PatternSize, names: tuple[str, ...] = PATTERN_FORMS) \
     dense, setup["dense mask"] = _seconds(lambda: window_mask(size.L, w))
     forms = {"sdpa_dense": partial(F.scaled_dot_product_attention, attn_mask=dense),
              "chunked": partial(attention, causal=True, window=w, impl="chunked"),
+             "chunked_maskmod": partial(attention, pattern=MaskMod(window_mod(w)),
+                                        impl="chunked"),
+             "chunked_mask": partial(attention, pattern=Mask("σ ≤ τ ∧ τ − σ < w", w=w),
+                                     impl="chunked"),
              "chunked_causal": partial(attention, causal=True, impl="chunked"),
              "einsum": partial(attention, causal=True, window=w, impl="einsum"),
              "flex": partial(attention, causal=True, window=w, impl="flex")}
     if "flex_compiled" in names:
         forms["flex_compiled"] = _hand_flex(size, setup)
+    if set(DOCUMENT_FORMS) & set(names):
+        ids = document_ids(size.L)
+        documents, setup["dense documents mask"] = _seconds(lambda: documents_mask(ids))
+        forms["sdpa_documents"] = partial(F.scaled_dot_product_attention, attn_mask=documents)
+        forms["chunked_documents"] = partial(attention, causal=True, impl="chunked",
+                                             document_ids=ids.expand(size.n, size.L))
     return {name: forms[name] for name in names}, setup
 
 
@@ -111,7 +158,8 @@ def pattern_skipped(settings: Settings) -> dict[str, str]:
     skipped = {}
     chunked = unavailable().get("chunked")
     if chunked:
-        skipped |= {"chunked": chunked, "chunked_causal": chunked}
+        skipped |= dict.fromkeys(("chunked", "chunked_maskmod", "chunked_mask",
+                                  "chunked_causal", "chunked_documents"), chunked)
     why = settings.why_no_flex
     if not why:
         try:
@@ -168,11 +216,15 @@ class Setup:
 def _deviations(outputs: dict[str, torch.Tensor], Q, K, V, size: PatternSize) \
         -> dict[str, float]:
     """Each form's ``max |ΔZ|`` from SDPA's with the dense mask of its pattern: the window's,
-    or for the form without the window the causal one (relative to ``max(1, max |Z|)``)."""
-    windowed = F.scaled_dot_product_attention(Q, K, V, attn_mask=window_mask(size.L,
-                                                                             size.window))
-    causal = F.scaled_dot_product_attention(Q, K, V, is_causal=True)
-    return {name: relative_deviation(Z, causal if name == "chunked_causal" else windowed)
+    the causal one for the form without the window, the documents' for theirs (relative to
+    ``max(1, max |Z|)``)."""
+    def sdpa(mask):
+        return F.scaled_dot_product_attention(Q, K, V, attn_mask=mask)
+    refs = {"chunked_causal": lambda: sdpa(torch.ones(size.L, size.L, dtype=torch.bool).tril()),
+            "sdpa_documents": lambda: sdpa(documents_mask(document_ids(size.L))),
+            "windowed": lambda: sdpa(window_mask(size.L, size.window))}
+    refs["chunked_documents"] = refs["sdpa_documents"]
+    return {name: relative_deviation(Z, refs.get(name, refs["windowed"])())
             for name, Z in outputs.items()}
 
 
@@ -181,7 +233,8 @@ def time_patterns(size: PatternSize, settings: Settings, skip: dict[str, str]) \
     """Both modes at one size: each form's first call (which compiles the flex forms) timed
     and checked against the dense SDPA's ``Z``, then the forms timed in interleaved rounds;
     the flex forms forward only on a CPU."""
-    forms, setup = pattern_forms(size, tuple(p for p in PATTERN_FORMS if p not in skip))
+    forms, setup = pattern_forms(size, tuple(p for p in PATTERN_FORMS + DOCUMENT_FORMS
+                                             if p not in skip))
     Q, K, V, dZ = pattern_inputs(size)
     outputs = {}
     with torch.no_grad():
@@ -207,6 +260,7 @@ class PatternSection:
     rows: list[PatternRow] = field(default_factory=list)
     setup: list[Setup] = field(default_factory=list)
     memory: list[MemoryRow] = field(default_factory=list)
+    forward_memory: list[MemoryRow] = field(default_factory=list)  # FORWARD_MEMORY_FORMS
     skipped: dict[str, str] = field(default_factory=dict)
     ran: bool = False
 
@@ -214,11 +268,12 @@ class PatternSection:
         if not self.ran:
             return {"skipped": "--section " + " ".join(settings.sections)}
         why = why_no_memory(settings)
-        return {"paths": {name: PATTERN_NAMES[name] for name in PATTERN_FORMS},
+        return {"paths": {name: PATTERN_NAMES[name] for name in PATTERN_FORMS + DOCUMENT_FORMS},
                 "skipped": self.skipped, "timings": [r.as_json() for r in self.rows],
                 "setup": [s.as_json() for s in self.setup],
                 "memory": ({"method": PATTERN_MEMORY_METHOD,
-                            "rows": [_memory_json(m, settings) for m in self.memory]}
+                            "rows": [_memory_json(m, settings) for m in self.memory],
+                            "forward": [_memory_json(m, settings) for m in self.forward_memory]}
                            if self.memory else {"skipped": why})}
 
 
@@ -250,29 +305,32 @@ def run_patterns(settings: Settings, say: Callable[[str], None]) -> PatternSecti
         say(f"memory of the window at L={L}")
         names = tuple(p for p in PATTERN_MEMORY_FORMS if p not in section.skipped)
         section.memory.append(measure_pattern_memory(settings.pattern_sizes[0], L, names))
+        names = tuple(p for p in FORWARD_MEMORY_FORMS if p not in section.skipped)
+        section.forward_memory.append(measure_pattern_memory(settings.pattern_sizes[0], L,
+                                                             names, "forward"))
     return section
 
 
 def pattern_memory_worker(argv: list[str]) -> None:
-    """In a fresh process: ``form n heads L d_head window threads`` of the patterns
+    """In a fresh process: ``form mode n heads L d_head window threads`` of the patterns
     section; prints one JSON line."""
-    name, *numbers = argv
+    name, mode, *numbers = argv
     n, heads, L, d_head, window, threads = map(int, numbers)
     torch.set_num_threads(threads)
     size = PatternSize(n, heads, L, d_head, window)
 
     def ready(at: PatternSize):  # one step at ``at``, its setup (a dense mask) done
         Q, K, V, dZ = pattern_inputs(at)
-        return pattern_step(pattern_forms(at, (name,))[0][name], "forward+backward",
-                            (Q, K, V), dZ)
+        return pattern_step(pattern_forms(at, (name,))[0][name], mode, (Q, K, V), dZ)
 
     ready(replace(size, L=min(L, 512)))()  # load the kernels, with a small peak
     print(json.dumps(peak_growth(ready(size))))
 
 
-def measure_pattern_memory(size: PatternSize, L: int, names: tuple[str, ...]) -> MemoryRow:
-    """The patterns section's forms ``names`` at ``size`` but length ``L``, one subprocess
-    each (:func:`pattern_memory_worker`), at this process's thread count."""
-    return measured(L, [(name, [name, size.n, size.heads, L, size.d_head, size.window,
+def measure_pattern_memory(size: PatternSize, L: int, names: tuple[str, ...],
+                           mode: str = "forward+backward") -> MemoryRow:
+    """The patterns section's forms ``names`` at ``size`` but length ``L`` in ``mode``, one
+    subprocess each (:func:`pattern_memory_worker`), at this process's thread count."""
+    return measured(L, [(name, [name, mode, size.n, size.heads, L, size.d_head, size.window,
                                 torch.get_num_threads()]) for name in names],
                     "patterns", "pattern_memory_worker")

@@ -251,18 +251,22 @@ def _pattern_memory_table(report: Report, table, paint) -> list[str]:
              if name in row.growth else [str(row.L), PATTERN_NAMES[name], "failed", "—", "—"]
              for row in memory for name in PATTERN_MEMORY_FORMS
              if name not in report.patterns.skipped]
+    forward = [f"  forward alone at L={row.L}: {PATTERN_NAMES[name]} {_mib(growth)}"
+               for row in report.patterns.forward_memory for name, growth in row.growth.items()]
     return [*out, f"method: {PATTERN_MEMORY_METHOD}",
             *table(["L", "form", "peak growth", "× no window", "× SDPA dense"], cells, paint,
-                   right=(2, 3, 4)),
+                   right=(2, 3, 4)), *forward,
             *(f"  failed at L={row.L}: {PATTERN_NAMES[k]}: {e}"
-              for row in memory for k, e in row.errors.items())]
+              for row in (*memory, *report.patterns.forward_memory)
+              for k, e in row.errors.items())]
 
 
 def _patterns_text(report: Report, table, paint) -> list[str]:
     """The patterns section: what it times, each size, the forms skipped, memory."""
     skipped = report.patterns.skipped
     flex_timed = any(name not in skipped for name in FLEX_FORMS)
-    return ["", "attention patterns: a causal sliding window, Z[n μ τ a] from Q, K, V "
+    return ["", "attention patterns: a causal sliding window (built in, as a MaskMod, as a "
+                "Mask string) and 8 packed documents, Z[n μ τ a] from Q, K, V "
                 "(forward+backward with dQ, dK, dV); ratios of medians against SDPA with the "
                 "dense mask and the hand-written compiled flex_attention",
             *(line for size in report.settings.pattern_sizes

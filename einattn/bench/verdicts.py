@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .patterns import why_no_memory
+from .patterns import FORWARD_MEMORY_LIMIT, why_no_memory
 from .settings import DECODING_SIZES, PATTERN_MEMORY_LENGTHS, PATTERN_SIZES, SIZES
 
 if TYPE_CHECKING:
@@ -127,7 +127,41 @@ def _patterns(report: Report) -> list[Target]:
         *_against(report, 'window: impl="flex" ≤ 1.1× compiled flex', "flex", "flex_compiled",
                   1.1, forward, f"{size.label} forward", skipped),
         _window_memory(report),
+        *_own(report, rows, size),
     ]
+
+
+def _own(report: Report, rows: list[Row], size) -> list[Target]:
+    """Issue 35's targets, where its forms ran: the window written as a MaskMod and as a
+    Mask string against the dense SDPA and the built-in window, packed documents against the
+    dense SDPA, and the Mask string's forward memory at the longest length."""
+    own = ("chunked_maskmod", "chunked_mask", "chunked_documents")
+    if not any(name in r.timings for r in rows for name in own) \
+            and not report.patterns.forward_memory:
+        return []
+    both, skipped = f"{size.label} both modes", report.patterns.skipped
+    found = []
+    for name, how in (("chunked_maskmod", "a MaskMod"), ("chunked_mask", "a Mask string")):
+        found += _against(report, f"window as {how}: chunked ≤ 0.35× SDPA (dense mask)", name,
+                          "sdpa_dense", 0.35, rows, both, skipped)
+        found += _against(report, f"window as {how}: ≤ 1.2× the built-in window", name,
+                          "chunked", 1.2, rows, both, skipped)
+    found += _against(report, "documents: chunked ≤ 0.3× SDPA (dense mask)",
+                      "chunked_documents", "sdpa_documents", 0.3, rows, both, skipped)
+    return [*found, _mask_memory(report)]
+
+
+def _mask_memory(report: Report) -> Target:
+    """The Mask string's forward peak growth at the longest length, against 32 MiB."""
+    L = max(PATTERN_MEMORY_LENGTHS)
+    label = f"Mask string: chunked forward peak growth ≤ {FORWARD_MEMORY_LIMIT >> 20} MiB"
+    where = f"L={L} forward (× {FORWARD_MEMORY_LIMIT >> 20} MiB)"
+    row = next((m for m in report.patterns.forward_memory if m.L == L), None)
+    if row is None or "chunked_mask" not in row.growth:
+        note = why_no_memory(report.settings) or (row.errors.get("chunked_mask", "")
+                                                  if row else f"L={L} was not run")
+        return Target(label, where, None, 1.0, note=note)
+    return Target(label, where, row.growth["chunked_mask"] / FORWARD_MEMORY_LIMIT, 1.0)
 
 
 def _layer(report: Report) -> list[Target]:

@@ -69,8 +69,9 @@ def bench_options(parser: argparse.ArgumentParser) -> None:
         "compile at the first two); sizes whose largest tensor would need more than "
         f"{gib(MEMORY_LIMIT)} are refused")
     add("--section", nargs="+", choices=SECTIONS, metavar="S", help="the sections to run: "
-        "layer (one attention layer six ways), patterns (a causal sliding window: chunked "
-        "against SDPA with a dense mask and compiled FlexAttention) and decoding (a prefill, "
+        "layer (one attention layer six ways), patterns (a causal sliding window, built in, as "
+        "a MaskMod and as a Mask string, and packed documents: chunked against SDPA with a "
+        "dense mask and compiled FlexAttention) and decoding (a prefill, "
         "then the time per token at contexts 512 and 4096 against hand-written Linear+SDPA "
         "with a torch.cat and a preallocated cache) (default: all three)")
     add("--pattern-sizes", nargs="+", type=_pattern_size, metavar="N,H,L,A,W", help="the "

@@ -86,8 +86,8 @@ def _tile_logits(Q, K, mask, pattern, at, tile, acc) -> tuple[torch.Tensor, torc
             logits.masked_fill_(~M, -_INF)
         else:
             logits += M
-    if partial:  # a tile the pattern leaves wholly visible needs no mask
-        logits.masked_fill_(~pattern.allowed(here), -_INF)
+    if partial:  # a tile the pattern leaves wholly visible needs no mask; else its pieces
+        logits.masked_fill_(~pattern.allowed(here, partial), -_INF)  # that do not
     return S, logits
 
 
@@ -105,7 +105,7 @@ def _spans(tiles, block_size: int) -> list:
         if merged:
             m0, m1, n0, n1, m_partial = merged[-1]
             if (m0, m1, n1) == (t0, t1, s0) and (t1 - t0) * (s1 - n0) <= area:
-                merged[-1] = (t0, t1, n0, s1, m_partial or partial)
+                merged[-1] = (t0, t1, n0, s1, m_partial | partial)
                 continue
         merged.append((t0, t1, s0, s1, partial))
     return merged
@@ -113,7 +113,7 @@ def _spans(tiles, block_size: int) -> list:
 
 def tiles(pattern, block_size: int) -> list:
     """The tiles ``(τ0, τ1, σ0, σ1, partial)`` the forward and the backward visit."""
-    return _spans(pattern.tiles(block_size), block_size)
+    return _spans(pattern.tiles(block_size, cut=True, which=True), block_size)
 
 
 def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
