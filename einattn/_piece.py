@@ -171,7 +171,8 @@ class ScorePiece:
 @dataclass(frozen=True)
 class _Joined(MaskPiece):
     """Mask pieces joined by one operation, ``JOIN`` (``&`` or ``|``), ``LATEX_JOIN`` in
-    LaTeX."""
+    LaTeX; ``EACH`` (``all`` or ``any``) joins what the parts say of a tile and of the
+    diagonal."""
 
     parts: tuple
 
@@ -180,6 +181,13 @@ class _Joined(MaskPiece):
 
     def allowed(self, n, mu, tau, sigma):
         return functools.reduce(self.JOIN, [p.allowed(n, mu, tau, sigma) for p in self.parts])
+
+    def judge(self, frame: Frame, size: int):
+        return _joined([p.judge(frame, size) for p in self.parts], self.EACH, self.EACH)
+
+    @property
+    def diagonal(self) -> bool:
+        return self.EACH(p.diagonal for p in self.parts)
 
     def bound(self, frame: Frame, dtype: torch.dtype) -> _Joined:
         return type(self)(tuple(p.bound(frame, dtype) for p in self.parts))
@@ -192,10 +200,7 @@ class _Joined(MaskPiece):
 class AllOf(_Joined):
     """``M₁ ∧ M₂ ∧ …``: a key may be seen where every part allows it."""
 
-    JOIN, LATEX_JOIN = operator.and_, r" \wedge "
-
-    def judge(self, frame: Frame, size: int):
-        return _joined([p.judge(frame, size) for p in self.parts], all, all)
+    JOIN, LATEX_JOIN, EACH = operator.and_, r" \wedge ", all
 
     def keys(self, frame: Frame, t0: int, t1: int):
         return _meet([p.keys(frame, t0, t1) for p in self.parts])
@@ -207,18 +212,11 @@ class AllOf(_Joined):
     def conjuncts(self) -> tuple:
         return self.parts
 
-    @property
-    def diagonal(self) -> bool:
-        return all(p.diagonal for p in self.parts)
-
 
 class AnyOf(_Joined):
     """``M₁ ∨ M₂ ∨ …``: a key may be seen where some part allows it."""
 
-    JOIN, LATEX_JOIN = operator.or_, r" \vee "
-
-    def judge(self, frame: Frame, size: int):
-        return _joined([p.judge(frame, size) for p in self.parts], any, any)
+    JOIN, LATEX_JOIN, EACH = operator.or_, r" \vee ", any
 
     def keys(self, frame: Frame, t0: int, t1: int):
         ranges = [p.keys(frame, t0, t1) for p in self.parts]
@@ -226,10 +224,6 @@ class AnyOf(_Joined):
             return None
         lows, highs = [r[0] for r in ranges], [r[1] for r in ranges]
         return (None if None in lows else min(lows)), (None if None in highs else max(highs))
-
-    @property
-    def diagonal(self) -> bool:
-        return any(p.diagonal for p in self.parts)
 
 
 @dataclass(frozen=True)
