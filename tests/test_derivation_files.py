@@ -463,3 +463,16 @@ def test_a_tensor_the_first_line_lacks_fails_saying_so_without_numbers(capsys, t
     _, doc = run_json(capsys, str(path))
     step = doc["blocks"][0]["steps"][0]
     assert (step["max_deviation"], step["verdict"], step["where"]) == (None, "FAIL", reason)
+
+
+def test_a_raised_capital_summed_with_a_lowered_one_is_an_index_in_every_line(capsys, tmp_path):
+    """``x^{N}`` beside ``A_{τ N}`` is the summed index N, not a label x_N: a review found the
+    wrong step (A's N renamed M) passing and the true one failing."""
+    first, true, wrong = (r"y_{\tau} = A_{\tau N} x^{N}", r"= A_{\tau N} x_{N}",
+                          r"= A_{\tau M} x^{N}")
+    code, out, _ = run(capsys, "verify", str(write(tmp_path, latex_block(
+        r"\tau=2 N=3", first, true))))
+    assert code == 0 and "read as y[τ] = A[τ N] x[N]" in out
+    code, out, _ = run(capsys, "verify", str(write(tmp_path, latex_block(
+        r"\tau=2 N=3", first, wrong))))
+    assert code == 1 and "1 FAIL" in out

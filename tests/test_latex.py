@@ -345,6 +345,14 @@ LABELS = {
     "raised lower-case": (r"s_{} = u_{i} v^{i}", "s[] = u[i] v[i]"),
     "a raised group": (r"Y_{i} = W^{(\mu a)}_{\ i} z_{(\mu a)}", "Y[i] = W[(μ a) i] z[(μ a)]"),
     "a raised capital held in place": (r"Y_{i} = W^{\ B}_{i} b_{B}", "Y[i] = W[i B] b[B]"),
+    # a capital that stands in another script too is an index (a review found these read
+    # as labels, and `einattn verify` then passed a wrong step)
+    "raised capitals, Einstein's": (r"Y^{M} = \Lambda^{M}_{\ N} X^{N}", "Y[M] = Λ[M N] X[N]"),
+    "c^{B} summed with P's B": (r"Z_{\tau} = P_{\tau B} c^{B}", "Z[τ] = P[τ B] c[B]"),
+    "B^{I} summed with A's I": (r"Y = A_{I} B^{I}", "Y[] = A[I] B[I]"),
+    "x^{N} summed with A's N": (r"y_{\tau} = A_{\tau N} x^{N}", "y[τ] = A[τ N] x[N]"),
+    "T summed, not a transpose": (r"S_{\tau} = A_{\tau T} B^{T}", "S[τ] = A[τ T] B[T]"),
+    "a primed label": (r"S_{\tau} = Q_{\tau}^{(\sigma')} K_{\tau}", "S[τ] = Q_σʹ[τ] K[τ]"),
 }
 
 
@@ -365,6 +373,8 @@ def test_W_O_read_from_a_superscript_computes_with_the_output_weight():
 def test_labels_names_a_lower_case_superscript_and_must_be_a_collection():
     tex = r"Y_{\tau i} = h^{l}_{\tau j} W_{j i}"
     assert Equation.from_latex(tex, labels={"l"}).text == "Y[τ i] = h_l[τ j] W[j i]"
+    primed = r"S_{\tau} = Q_{\tau}^{\sigma'} K_{\tau}"  # the advice for a primed label holds
+    assert Equation.from_latex(primed, labels={"σ'"}).text == "S[τ] = Q_σʹ[τ] K[τ]"
     assert Equation.from_latex(tex, labels=["l"]).text == "Y[τ i] = h_l[τ j] W[j i]"
     for wrong in ("l", [1]):
         with pytest.raises(EinattnError, match=r"^labels is a collection of superscripts, "
