@@ -43,7 +43,8 @@ Run = Callable[[dict, dict], Any]  # (arguments, sizes) -> the node's value
 # autograd.Function, as the chunked path runs these)
 _ALONG = {"softmax": _softmax.guarded, "logsumexp": _softmax.logsumexp,
           "max": _softmax.maximum, "sum": lambda t: t.sum(-1)}
-_LOGITS = ("softmax", "logsumexp")  # functions that take floating-point logits only
+_LOGITS = ("softmax", "logsumexp", "max")  # functions of real numbers (the first two, of
+# floating-point logits only)
 
 
 def _exp(x: float) -> float:
@@ -169,9 +170,10 @@ class Expression(Equation):
         shapes, given = self._split_arguments(tensors, allow_shapes=False)
         self._check_dtypes(tensors)
         for name, (function, position) in self._logits.items():
-            if not tensors[name].is_floating_point():
-                raise at(f"{name} is {tensors[name].dtype}: {function} takes floating-point "
-                         f"logits", self.text, position)
+            t = tensors[name]
+            if t.is_complex() or not (t.is_floating_point() or function.startswith("max")):
+                takes = "real numbers" if function.startswith("max") else "floating-point logits"
+                raise at(f"{name} is {t.dtype}: {function} takes {takes}", self.text, position)
         sizes = self._resolve(shapes, given)
         if len(self._checked) >= 256:
             self._checked.clear()

@@ -58,6 +58,7 @@ from . import _autocast, _softmax
 from . import functional as _functional  # not `from .functional import`: paths imports us
 from . import masks as _masks
 from . import patterns as _patterns
+from ._checks import check_block_size
 from ._tile_dropout import TileDropout
 from .errors import EinattnError
 from .notation import Equation
@@ -187,14 +188,6 @@ def _dense(Q, K, V, mask, pattern, block_size: int = 0,
     A = stages["A"]
     R = drop.dense(_tiles(Q, K, pattern, block_size), A.shape, A.device, A.dtype)
     return _functional.weighted_values(A * R, V)
-
-
-def check_block_size(block_size) -> int:
-    """``block_size`` itself, once it is known to be a positive int."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise EinattnError(f"block_size (the number of queries τ and of keys σ per tile) must "
-                           f"be a positive int, got {block_size!r}")
-    return block_size
 
 
 class _Attention(torch.autograd.Function):
