@@ -82,9 +82,6 @@ def _rope(module: nn.Module, who: str) -> dict:
     scaling = {k: v for k, v in params.items()
                if k not in ("rope_theta", "partial_rotary_factor")
                and (v is not None or k == "truncate")}
-    if kind == "yarn" and scaling.get("factor") is None:  # HF: the ratio of the two lengths
-        scaling["factor"] = (config.max_position_embeddings
-                             / scaling["original_max_position_embeddings"])
     if kind == "dynamic":
         scaling["max_position_embeddings"] = config.max_position_embeddings
     return {"rope": "interleaved" if interleaved else "half", "rope_base": params["rope_theta"],
