@@ -135,6 +135,9 @@ class LatentAttention(nn.Module):
         self.d_model, self.n_heads, self.d_latent = d_model, n_heads, d_latent
         self.d_head, self.d_rope, self.d_value = d_head, d_rope, d_value
         self.d_query_latent = d_query_latent
+        if d_rope % 2:
+            raise EinattnError(f"d_rope (ρ, the channels RoPE turns in pairs) must be even, got "
+                               f"{d_rope}")
         if rope not in rotary.STYLES:
             raise EinattnError(f"rope must be 'interleaved' or 'half' (MLA turns its d_rope "
                                f"channels ρ always), got {rope!r}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from einattn import EinattnError, LatentAttention
+from einattn import EinattnError, KVCache, LatentAttention
 from einattn import latent as mla
 from einattn.functional import masked_softmax
 from einattn.latent_cache import LatentCache
@@ -71,6 +71,11 @@ def test_absorbed_equals_expanded_forward_and_gradients(name):
         assert_close_scaled(got, want, TOL[F64])
 
 
+def rms(C: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """(MLA2)/(MLA5) written out: γ ⊙ C / √(mean over the latent of C² + 1e-6)."""
+    return gamma * C / (C.pow(2).sum(-1, keepdim=True) / C.shape[-1] + 1e-6).sqrt()
+
+
 @pytest.mark.parametrize("form", mla.FORMS)
 def test_each_intermediate_is_its_equation(form):
     """return_intermediates: every stage recomputed from the ones before it by the
@@ -79,9 +84,8 @@ def test_each_intermediate_is_its_equation(form):
     x = randn(N, L, D, seed=3)
     Y, st = layer(x, form=form, return_intermediates=True)
     s = layer.softmax_scale
-    C_KV = mla.rms_norm(mla.LATENT(X=x, W_DKV=layer.W_DKV) + layer.b_DKV, layer.gamma_KV,
-                        1e-6)
-    C_Q = mla.rms_norm(mla.QUERY_DOWN(X=x, W_DQ=layer.W_DQ) + layer.b_DQ, layer.gamma_Q, 1e-6)
+    C_KV = rms(mla.LATENT(X=x, W_DKV=layer.W_DKV) + layer.b_DKV, layer.gamma_KV)
+    C_Q = rms(mla.QUERY_DOWN(X=x, W_DQ=layer.W_DQ) + layer.b_DQ, layer.gamma_Q)
     assert_close_scaled(st["C_Q"], C_Q, TOL[F64])
     assert_close_scaled(st["C_KV"], C_KV, TOL[F64])
     assert_close_scaled(st["Q_A"], mla.QUERY_UP_A(C_Q=C_Q, W_UQA=layer.W_UQA), TOL[F64])
@@ -180,6 +184,20 @@ def test_cached_decoding_equals_the_full_forward(form, positions):
     assert len(cache) == L and cache.form == form
     per_token = DC + DR if form == "absorbed" else H * (DA + DR) + H * DV
     assert cache.numbers_per_token() == per_token  # 19 absorbed, 54 expanded
+
+
+@pytest.mark.parametrize("form", mla.FORMS)
+def test_decoding_past_the_first_storage_equals_the_full_forward(form):
+    """40 tokens, 2 prefilled then one per call: the storage (made for 18 positions) grows
+    twice, copying what it holds."""
+    layer = make(**CONFIGS["no query latent"], causal=True)
+    x, kpm = randn(N, 40, D, seed=12), torch.zeros(N, 40, dtype=torch.bool)
+    kpm[0, 0] = True
+    with torch.no_grad():
+        got, cache = decode(layer, x, form, kpm, prefill=2)
+        want = layer(x, key_padding_mask=kpm, form=form)
+    assert cache._storage[0].shape[2] > 18
+    assert_close_scaled(got, want, TOL[F64])
 
 
 def test_the_absorbed_cache_holds_the_latent_and_the_rotary_key_only():
@@ -290,3 +308,52 @@ def test_a_wrong_absorption_is_rejected_exactly():
     report = check_equivalent(scores_expanded, transposed, {**SIZES, "a": 3}, exact=True,
                               inputs=SCORE_INPUTS)
     assert not report.equal
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+SIZES_OK = {"d_latent": DC, "d_head": DA, "d_rope": DR}
+BAD_OPTIONS = [  # (constructor options, the message)
+    ({"d_latent": 0}, "d_latent must be a positive int, got 0"),
+    ({"d_query_latent": 2.5}, "d_query_latent must be a positive int, got 2.5"),
+    ({"window": True}, "window must be a positive int, got True"),
+    ({"d_rope": 5}, "d_rope .ρ, the channels RoPE turns in pairs. must be even, got 5"),
+    ({"rope": None}, "rope must be 'interleaved' or 'half' .MLA turns"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "rope_scaling of rope_type 'yarn' needs"),
+    ({"eps": -1e-6}, "eps must be a finite non-negative number, got -1e-06"),
+    ({"scale": 0}, "scale must be a finite positive number, got 0"),
+    ({"dropout": 1.0}, r"dropout .the probability .* must be a number in \[0, 1\), got 1.0"),
+    ({"form": "compressed"}, "form must be one of 'expanded', 'absorbed', got 'compressed'"),
+    ({"impl": "flash"}, "impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', got 'flash'"),
+]
+
+
+@pytest.mark.parametrize("options, message", BAD_OPTIONS)
+def test_bad_options_are_refused_by_name(options, message):
+    with pytest.raises(EinattnError, match=message):
+        LatentAttention(D, H, **{**SIZES_OK, **options})
+
+
+def test_bad_calls_are_refused_by_name():
+    layer = make(**CONFIGS["query latent"])
+    x = randn(N, L, D, seed=13)
+    with pytest.raises(EinattnError, match=r"x must be a torch\.Tensor, got list"):
+        layer([1.0])
+    with pytest.raises(EinattnError, match=r"x has shape \(2, 9, 41\) but the layer expects "
+                                           r"\(n, L, d_model=42\)"):
+        layer(x[..., :41])
+    with pytest.raises(EinattnError, match=r"x is torch\.float32 on cpu but the layer's W_DKV "
+                                           r"is torch\.float64"):
+        layer(x.float())
+    with pytest.raises(EinattnError, match=r"cache must be an einattn\.latent_cache\.LatentCache"):
+        layer(x, cache=KVCache())
+    with pytest.raises(EinattnError, match="form must be one of"):
+        layer(x, form="latent")
+    cache = LatentCache()
+    layer(x[:, :3], cache=cache, form="absorbed")
+    with pytest.raises(EinattnError, match="holds the absorbed form's tensors, not the "
+                                           "expanded form's"):
+        layer(x[:, 3:4], cache=cache)
+    with pytest.raises(EinattnError, match="mask"):  # refused after the append: undone
+        layer(x[:, 3:4], cache=cache, form="absorbed", mask=torch.ones(5, 5, dtype=torch.bool))
+    assert len(cache) == 3
