@@ -4,34 +4,39 @@ Keys and values come from one low-rank latent per token, ``C_KV[n σ c]``, share
 head; a few rotary channels ``ρ`` of each query and of one key per token, shared by every
 head too, carry the position. Sizes: ``i`` d_model, ``μ`` n_heads, ``l`` d_query_latent
 (optional), ``c`` d_latent, ``a`` d_head (the non-rotary query/key channels), ``ρ`` d_rope,
-``b`` d_value::
+``b`` d_value (docs/models.md)::
 
-    (MLA1)  C_Q[n τ l]   = X[n τ i] W_DQ[l i]  (+ b_DQ[l]), then (MLA2) RMS-normalised over l
-    (MLA3)  Q_A[n μ τ a] = C_Q[n τ l] W_UQA[μ a l]     Q_R[n μ τ ρ] = C_Q[n τ l] W_UQR[μ ρ l]
-            without a query latent: Q_A[n μ τ a] = X[n τ i] W_QA[μ a i], Q_R alike
-    (MLA4)  C_KV[n σ c]  = X[n σ i] W_DKV[c i]  (+ b_DKV[c]), then (MLA5) RMS-normalised over c
-            K_R[n σ ρ]   = X[n σ i] W_KR[ρ i]   (+ b_KR[ρ])
-    (MLA6)  Q_R and K_R turned by RoPE over ρ (R1 or R2 of einattn.rotary)
+    (MLA1)  C_Q[n τ l]   = X[n τ i] W_DQ[l i]                 (+ b_DQ[l])
+    (MLA2)  C[n τ c]     ← γ[c] · C[n τ c] / √(Σ_c C[n τ c]² / d_c + ε)   RMS norm, of C_Q and C_KV
+    (MLA3)  Q_A[n μ τ a] = C_Q[n τ l] W_UQA[μ a l]     (MLA3') without a query latent:
+    (MLA4)  Q_R[n μ τ ρ] = C_Q[n τ l] W_UQR[μ ρ l]             X[n τ i] W_QA[μ a i], W_QR[μ ρ i]
+    (MLA5)  C_KV[n σ c]  = X[n σ i] W_DKV[c i]                (+ b_DKV[c]), then (MLA2)
+    (MLA6)  K_R[n σ ρ]   = X[n σ i] W_KR[ρ i]                 (+ b_KR[ρ])
+    (MLA7)  Q_R and K_R turned by RoPE over ρ ((R1) or (R2) of einattn.rotary)
 
 The expanded form materialises every head's keys and values, then attends:
 
-    (MLA7)  K_A[n μ σ a] = C_KV[n σ c] W_UK[μ a c]     V[n μ σ b] = C_KV[n σ c] W_UV[μ b c]
-    (MLA8)  S[n μ τ σ]   = s · (Q_A[n μ τ a] K_A[n μ σ a] + Q_R[n μ τ ρ] K_R[n σ ρ])
-    (MLA9)  A[n μ τ σ]   = softmax_σ(S[n μ τ σ] + M[n μ τ σ])
-    (MLA10) Z[n μ τ b]   = A[n μ τ σ] V[n μ σ b]
-    (MLA11) Y[n τ i]     = Z[n μ τ b] W_O[μ b i]  (+ b_O[i])
+    (MLA8)  K_A[n μ σ a] = C_KV[n σ c] W_UK[μ a c]
+    (MLA9)  V[n μ σ b]   = C_KV[n σ c] W_UV[μ b c]
+    (MLA10) S[n μ τ σ]   = s · (Q_A[n μ τ a] K_A[n μ σ a] + Q_R[n μ τ ρ] K_R[n σ ρ])
+    (MLA11) A[n μ τ σ]   = softmax_σ(S[n μ τ σ] + M[n μ τ σ])
+    (MLA12) Z[n μ τ b]   = A[n μ τ σ] V[n μ σ b]
+    (MLA13) Y[n τ i]     = Z[n μ τ b] W_O[μ b i]              (+ b_O[i])
 
 The absorbed form re-associates the same sums so that nothing per head is made per key:
 
     (MLA-A1) Q_C[n μ τ c] = Q_A[n μ τ a] W_UK[μ a c]
     (MLA-A2) S[n μ τ σ]   = s · (Q_C[n μ τ c] C_KV[n σ c] + Q_R[n μ τ ρ] K_R[n σ ρ])
     (MLA-A3) Z_C[n μ τ c] = A[n μ τ σ] C_KV[n σ c]
-    (MLA-A4) Z[n μ τ b]   = Z_C[n μ τ c] W_UV[μ b c]        then (MLA11)
+    (MLA-A4) Z[n μ τ b]   = Z_C[n μ τ c] W_UV[μ b c]          then (MLA13)
 
-(MLA8)–(MLA10) are equations (2)–(4) of einattn.functional with query/key channels
-``(a ρ)`` and value channels ``b``; (MLA-A2)–(MLA-A3) are the same with one key/value head
-(multi-query attention), keys ``[C_KV | K_R]`` of width ``c + ρ`` and values ``C_KV``: both
-run as :func:`einattn.functional.attention`, with every mask, pattern and impl it has.
+(MLA10)–(MLA12) are equations (2)–(4) of einattn.functional with query/key channels
+``(a ρ)`` and value channels ``b``; (MLA-A2), (MLA11), (MLA-A3) are the same with one
+key/value head (multi-query attention), keys ``[C_KV | K_R]`` of width ``c + ρ`` and values
+``C_KV``: both run as :func:`einattn.functional.attention`, with every mask, pattern and impl
+it has. The strings below run where the layer computes them; SCORES, WEIGHTED and
+WEIGHTED_LATENT state what that call computes (the layer runs SCORES for its intermediates,
+and tests/test_latent.py proves the call's S, A and Z are these equations).
 """
 
 from __future__ import annotations
@@ -48,16 +53,17 @@ from .notation import Equation
 
 QUERY_DOWN = Equation("C_Q[n τ l] = X[n τ i] W_DQ[l i]")  # (MLA1)
 QUERY_UP_A = Equation("Q_A[n μ τ a] = C_Q[n τ l] W_UQA[μ a l]")  # (MLA3)
-QUERY_UP_R = Equation("Q_R[n μ τ ρ] = C_Q[n τ l] W_UQR[μ ρ l]")
-QUERY_A = Equation("Q_A[n μ τ a] = X[n τ i] W_QA[μ a i]")  # (MLA3) without a query latent
-QUERY_R = Equation("Q_R[n μ τ ρ] = X[n τ i] W_QR[μ ρ i]")
-LATENT = Equation("C_KV[n σ c] = X[n σ i] W_DKV[c i]")  # (MLA4)
-ROTARY_KEY = Equation("K_R[n σ ρ] = X[n σ i] W_KR[ρ i]")
-KEYS = Equation("K_A[n μ σ a] = C_KV[n σ c] W_UK[μ a c]")  # (MLA7)
-VALUES = Equation("V[n μ σ b] = C_KV[n σ c] W_UV[μ b c]")
-SCORES = Equation("S[n μ τ σ] = s · (Q_A[n μ τ a] K_A[n μ σ a] + Q_R[n μ τ ρ] K_R[n σ ρ])")
-WEIGHTED = Equation("Z[n μ τ b] = A[n μ τ σ] V[n μ σ b]")  # (MLA10)
-OUTPUT = Equation("Y[n τ i] = Z[n μ τ b] W_O[μ b i]")  # (MLA11)
+QUERY_UP_R = Equation("Q_R[n μ τ ρ] = C_Q[n τ l] W_UQR[μ ρ l]")  # (MLA4)
+QUERY_A = Equation("Q_A[n μ τ a] = X[n τ i] W_QA[μ a i]")  # (MLA3')
+QUERY_R = Equation("Q_R[n μ τ ρ] = X[n τ i] W_QR[μ ρ i]")  # (MLA4')
+LATENT = Equation("C_KV[n σ c] = X[n σ i] W_DKV[c i]")  # (MLA5)
+ROTARY_KEY = Equation("K_R[n σ ρ] = X[n σ i] W_KR[ρ i]")  # (MLA6)
+KEYS = Equation("K_A[n μ σ a] = C_KV[n σ c] W_UK[μ a c]")  # (MLA8)
+VALUES = Equation("V[n μ σ b] = C_KV[n σ c] W_UV[μ b c]")  # (MLA9)
+SCORES = Equation(
+    "S[n μ τ σ] = s · (Q_A[n μ τ a] K_A[n μ σ a] + Q_R[n μ τ ρ] K_R[n σ ρ])")  # (MLA10)
+WEIGHTED = Equation("Z[n μ τ b] = A[n μ τ σ] V[n μ σ b]")  # (MLA12)
+OUTPUT = Equation("Y[n τ i] = Z[n μ τ b] W_O[μ b i]")  # (MLA13)
 ABSORB_Q = Equation("Q_C[n μ τ c] = Q_A[n μ τ a] W_UK[μ a c]")  # (MLA-A1)
 SCORES_ABSORBED = Equation(
     "S[n μ τ σ] = s · (Q_C[n μ τ c] C_KV[n σ c] + Q_R[n μ τ ρ] K_R[n σ ρ])")  # (MLA-A2)
@@ -66,7 +72,7 @@ ABSORB_V = Equation("Z[n μ τ b] = Z_C[n μ τ c] W_UV[μ b c]")  # (MLA-A4)
 
 
 def rms_norm(C: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    """(MLA2), (MLA5): ``C[n τ c] ← γ[c] · C[n τ c] / √(Σ_c C[n τ c]² / d_c + ε)``, over the
+    """(MLA2): ``C[n τ c] ← γ[c] · C[n τ c] / √(Σ_c C[n τ c]² / d_c + ε)``, over the
     whole latent (not per head); in float32 for float16/bfloat16 inputs, cast back before
     ``γ``, as DeepSeek's norm does.
 
@@ -99,7 +105,7 @@ def deepseek_scale(d_head: int, d_rope: int, rope_scaling: dict | None) -> float
 
 
 class LatentAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek V2/V3) whose forward is (MLA1)–(MLA11), or
+    """Multi-head latent attention (DeepSeek V2/V3) whose forward is (MLA1)–(MLA13), or
     their absorbed form (MLA-A1)–(MLA-A4), on the same parameters (module docstring).
 
     Parameters, named as in the equations: with ``d_query_latent`` (l) ``W_DQ[l i]``,
@@ -185,7 +191,7 @@ class LatentAttention(nn.Module):
 
     @property
     def softmax_scale(self) -> float:
-        """``s`` of (MLA8): ``scale`` if given, else :func:`deepseek_scale`."""
+        """``s`` of (MLA10): ``scale`` if given, else :func:`deepseek_scale`."""
         return self.scale if self.scale is not None else deepseek_scale(
             self.d_head, self.d_rope, self.rope_scaling)
 
@@ -246,7 +252,7 @@ class LatentAttention(nn.Module):
                                   need_weights, return_intermediates)
 
     def _projected(self, x: torch.Tensor, positions, offset: int) -> dict:
-        """(MLA1)–(MLA6): Q_A, Q_R (turned), C_KV, K_R[n 1 σ ρ] (turned), and C_Q."""
+        """(MLA1)–(MLA7): Q_A, Q_R (turned), C_KV, K_R[n 1 σ ρ] (turned), and C_Q."""
         stages = {}
         if self.d_query_latent is None:
             Q_A, Q_R = QUERY_A(X=x, W_QA=self.W_QA), QUERY_R(X=x, W_QR=self.W_QR)
@@ -267,7 +273,8 @@ class LatentAttention(nn.Module):
         return stages | {"Q_A": Q_A, "Q_R": Q_R, "C_KV": C_KV, "K_R": K_R}
 
     def _expanded(self, stages: dict) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """(MLA7): every head's keys ``[K_A | K_R]`` and values V of this call's tokens."""
+        """(MLA8), (MLA9): every head's keys ``[K_A | K_R]`` and values V of this call's
+        tokens."""
         K_A = KEYS(C_KV=stages["C_KV"], W_UK=self.W_UK)
         K_R = stages["K_R"]
         K = torch.cat([K_A, K_R.expand(-1, self.n_heads, -1, -1)], dim=-1)
@@ -283,7 +290,8 @@ class LatentAttention(nn.Module):
 
     def _attended(self, form: str, stages: dict, Q, kept: tuple, key_padding_mask, mask, causal,
                   impl, need_weights: bool, return_intermediates: bool):
-        """(MLA8)–(MLA11), or (MLA-A2)–(MLA-A4) then (MLA11), over every cached key."""
+        """(MLA10)–(MLA13), or (MLA-A2), (MLA11), (MLA-A3), (MLA-A4) then (MLA13), over every
+        cached key."""
         K, V = kept if form == "expanded" else (kept[0], kept[0][..., :self.d_latent])
         seen = need_weights or return_intermediates
         out = functional.attention(
@@ -302,7 +310,7 @@ class LatentAttention(nn.Module):
 
     def _stages(self, form: str, stages: dict, Q, K, V, A, Z, Y) -> dict:
         """The intermediates by name: the keys' (K_A, K_R expanded; C_KV, K_R absorbed) over
-        every key attended, cached ones included, and S by (MLA8) or (MLA-A2) from them."""
+        every key attended, cached ones included, and S by (MLA10) or (MLA-A2) from them."""
         a, c, s = self.d_head, self.d_latent, self.softmax_scale
         if form == "expanded":
             K_R = K[:, 0, :, a:]

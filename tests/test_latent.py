@@ -72,7 +72,7 @@ def test_absorbed_equals_expanded_forward_and_gradients(name):
 
 
 def rms(C: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """(MLA2)/(MLA5) written out: γ ⊙ C / √(mean over the latent of C² + 1e-6)."""
+    """(MLA2) written out: γ ⊙ C / √(mean over the latent of C² + 1e-6)."""
     return gamma * C / (C.pow(2).sum(-1, keepdim=True) / C.shape[-1] + 1e-6).sqrt()
 
 
@@ -246,7 +246,7 @@ SIZES = {"n": 2, "μ": 3, "τ": 4, "σ": 5, "a": 2, "c": 3, "b": 2, "i": 3}
 
 
 def scores_expanded(Q_A, C_KV, W_UK):
-    """The a-part of (MLA8)'s scores as the expanded form groups it: Q_A · (C_KV W_UK)."""
+    """The a-part of (MLA10)'s scores as the expanded form groups it: Q_A · (C_KV W_UK)."""
     return SCORE_TERM(Q_A=Q_A, K_A=mla.KEYS(C_KV=C_KV, W_UK=W_UK))
 
 
@@ -256,12 +256,12 @@ def scores_absorbed(Q_A, C_KV, W_UK):
 
 
 def output_expanded(A, C_KV, W_UV, W_O):
-    """(MLA7), (MLA10), (MLA11): ((A (C_KV W_UV)) W_O)."""
+    """(MLA9), (MLA12), (MLA13): ((A (C_KV W_UV)) W_O)."""
     return mla.OUTPUT(Z=mla.WEIGHTED(A=A, V=mla.VALUES(C_KV=C_KV, W_UV=W_UV)), W_O=W_O)
 
 
 def output_absorbed(A, C_KV, W_UV, W_O):
-    """(MLA-A3), (MLA-A4), (MLA11): (((A C_KV) W_UV) W_O)."""
+    """(MLA-A3), (MLA-A4), (MLA13): (((A C_KV) W_UV) W_O)."""
     Z = mla.ABSORB_V(Z_C=mla.WEIGHTED_LATENT(A=A, C_KV=C_KV), W_UV=W_UV)
     return mla.OUTPUT(Z=Z, W_O=W_O)
 
