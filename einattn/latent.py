@@ -136,8 +136,10 @@ class LatentAttention(nn.Module):
         d_value = d_head if d_value is None else d_value
         for name, size in (("d_model", d_model), ("n_heads", n_heads), ("d_latent", d_latent),
                            ("d_head", d_head), ("d_rope", d_rope), ("d_value", d_value),
-                           ("d_query_latent", d_query_latent or 1), ("block_size", block_size)):
-            _check_positive_int(name, size)
+                           ("d_query_latent", d_query_latent), ("block_size", block_size),
+                           ("window", window)):
+            if size is not None or name not in ("d_query_latent", "window"):
+                _check_positive_int(name, size)
         self.d_model, self.n_heads, self.d_latent = d_model, n_heads, d_latent
         self.d_head, self.d_rope, self.d_value = d_head, d_rope, d_value
         self.d_query_latent = d_query_latent
@@ -151,8 +153,6 @@ class LatentAttention(nn.Module):
             rope, rope_base, rope_scaling, None, d_rope)
         self.eps, self.scale = _check_number("eps", eps, zero=True), None if scale is None \
             else _check_number("scale", scale)
-        if window is not None:
-            _check_positive_int("window", window)
         self.causal, self.window, self.block_size = bool(causal), window, block_size
         self.dropout = _check_dropout(dropout)
         self.form, self.impl = check_form(form), _check_impl(impl)
@@ -196,13 +196,13 @@ class LatentAttention(nn.Module):
             self.d_head, self.d_rope, self.rope_scaling)
 
     def extra_repr(self) -> str:
-        sizes = ("d_model", "n_heads", "d_latent", "d_head", "d_rope", "d_value",
-                 "d_query_latent")
-        options = ", ".join(f"{k}={getattr(self, k)!r}" for k in ("rope", "rope_scaling",
-                            "scale", "causal", "window", "form", "impl")
-                            if getattr(self, k) not in (None, False))
-        return ", ".join(f"{k}={getattr(self, k)}" for k in sizes) + \
-            f", bias={self.b_O is not None}, " + options
+        shown = [f"{k}={getattr(self, k)}" for k in ("d_model", "n_heads", "d_latent", "d_head",
+                                                      "d_rope", "d_value", "d_query_latent")]
+        shown.append(f"bias={self.b_O is not None}")
+        shown += [f"{k}={getattr(self, k)!r}" for k in ("rope", "rope_scaling", "scale", "causal",
+                                                         "window", "dropout", "form", "impl")
+                  if getattr(self, k) not in (None, False, 0.0)]
+        return ", ".join(shown)
 
     @classmethod
     def from_hf(cls, module: nn.Module, **layer_options) -> LatentAttention:
@@ -232,7 +232,8 @@ class LatentAttention(nn.Module):
         Y. ``need_weights=True`` returns ``(Y, A)``; ``return_intermediates=True`` returns
         ``(Y, stages)``, every intermediate by its equation's name (C_Q with a query latent,
         Q_A, Q_R, C_KV, K_R, then K_A and V expanded or Q_C absorbed, the Q, K, V that
-        attention ran on, S, A, Z_C absorbed, Z, Y), over every cached key.
+        attention ran on, S, A, Z_C absorbed, Z, Y); the keys' and values' over every key
+        attended, cached ones included (C_KV expanded: this call's, as its cache keeps none).
         """
         form = self.form if form is None else check_form(form)
         self._check_input(x)

@@ -319,6 +319,7 @@ SIZES_OK = {"d_latent": DC, "d_head": DA, "d_rope": DR}
 BAD_OPTIONS = [  # (constructor options, the message)
     ({"d_latent": 0}, "d_latent must be a positive int, got 0"),
     ({"d_query_latent": 2.5}, "d_query_latent must be a positive int, got 2.5"),
+    ({"d_query_latent": 0}, "d_query_latent must be a positive int, got 0"),
     ({"window": True}, "window must be a positive int, got True"),
     ({"d_rope": 5}, "d_rope .ρ, the channels RoPE turns in pairs. must be even, got 5"),
     ({"rope": None}, "rope must be 'interleaved' or 'half' .MLA turns"),
@@ -335,6 +336,15 @@ BAD_OPTIONS = [  # (constructor options, the message)
 def test_bad_options_are_refused_by_name(options, message):
     with pytest.raises(EinattnError, match=message):
         LatentAttention(D, H, **{**SIZES_OK, **options})
+
+
+def test_repr_shows_the_sizes_and_the_options_set():
+    layer = LatentAttention(D, H, **SIZES_OK, d_query_latent=DQ, bias=True, causal=True,
+                            form="absorbed")
+    assert repr(layer) == (
+        "LatentAttention(d_model=42, n_heads=3, d_latent=13, d_head=5, d_rope=6, d_value=5, "
+        "d_query_latent=11, bias=True, rope='interleaved', causal=True, form='absorbed', "
+        "impl='einsum')")
 
 
 def test_bad_calls_are_refused_by_name():
