@@ -2,9 +2,11 @@
 
 from .cache import KVCache
 from .errors import EinattnError
+from .latent import LatentAttention
 from .module import MultiHeadAttention
 from .notation import Equation
 from .static_cache import StaticKVCache
 
-__all__ = ["EinattnError", "Equation", "KVCache", "MultiHeadAttention", "StaticKVCache"]
+__all__ = ["EinattnError", "Equation", "KVCache", "LatentAttention", "MultiHeadAttention",
+           "StaticKVCache"]
 __version__ = "0.1.0"
