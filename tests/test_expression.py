@@ -465,7 +465,8 @@ def test_a_product_that_fails_to_parse_keeps_its_own_message():
 
 def test_every_raise_site_of_the_expression_language_has_a_case():
     package = Path(einattn.__file__).parent
-    sites = _raise_sites(package / "_expression.py") | _raise_sites(package / "_expression_run.py")
+    sites = set().union(*(_raise_sites(package / f"{name}.py") for name in (
+        "_expression", "_expression_compile", "_expression_run")))
     tested = {key for key, *_ in ERRORS} | {"missing scalar {}: give it as a number, {}=2.0",
                                              "scalar {} must be a number or a 0-d tensor, got {}",
                                              "{} is {}: {} takes floating-point logits"}
