@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Any
 
 import opt_einsum
 import torch
 
-from . import _autocast
+from . import _autocast, _delta
 from ._lowering import assign_letters, contraction
+from ._sizes import Sizes
 from ._syntax import Parsed, Term, parse
 from .errors import EinattnError, at
 from .latex import render
@@ -100,7 +101,7 @@ class _Plan:
         return out if self.out_shape is None else out.reshape(*self.out_shape)
 
 
-class Contraction:
+class Contraction(Sizes):
     """An index equation ``Out[...] = A[...] B[...] ... [/ √index]``.
 
     Call it with the operands as keyword tensors, and with keyword integers for sizes of
@@ -115,11 +116,18 @@ class Contraction:
                                f"\"S[n μ τ σ] = Q[n μ τ a] K[n μ σ a] / √a\", got "
                                f"{type(text).__name__}")
         self.text = text
-        self._parsed: Parsed = parse(text)
+        parsed = parse(text)
+        self._parsed: Parsed = replace(parsed, operands=_delta.numbered(parsed.operands, text))
         self._letters = assign_letters(self._parsed, text)
         self._subscripts = self._letter_subscripts()  # the einsum string, e.g. "nmta,nmsa->nmts"
         self._plans: dict[tuple, _Plan] = {}
-        self.operands: tuple[str, ...] = tuple(dict.fromkeys(t.name for t in self._parsed.operands))
+        self._named(self._parsed.operands)
+
+    def _named(self, terms: tuple[Term, ...]) -> None:
+        """``operands``, the tensors a call takes, and ``_inputs``, those and the deltas."""
+        self._inputs: tuple[str, ...] = tuple(dict.fromkeys(t.name for t in terms))
+        self.operands = tuple(n for n in self._inputs if not _delta.is_delta(n))
+        self._deltas = len(self.operands) < len(self._inputs)
 
     @property
     def output(self) -> str:
@@ -132,8 +140,9 @@ class Contraction:
 
     @property
     def terms(self) -> tuple[Term, ...]:
-        """The operand terms in order; a tensor used twice appears twice."""
-        return self._parsed.operands
+        """The operand terms in order; a tensor used twice appears twice (a delta, which
+        the equation makes itself, not)."""
+        return tuple(t for t in self._parsed.operands if not _delta.is_delta(t.name))
 
     @property
     def scale(self) -> str | None:
@@ -165,6 +174,8 @@ class Contraction:
         return render(self._parsed)
 
     def __call__(self, **arguments: Any) -> torch.Tensor:
+        if self._deltas:
+            arguments = self._with_deltas(arguments)
         if torch.compiler.is_compiling():
             return self._traced(arguments)
         try:
@@ -174,7 +185,7 @@ class Contraction:
         if plan is None:  # planned outside the except clause: no chained backend traceback
             plan = self._plan(arguments)
         try:  # map over C callables: no Python frame per operand
-            return plan.call(*map(arguments.__getitem__, self.operands))
+            return plan.call(*map(arguments.__getitem__, self._inputs))
         except (RuntimeError, TypeError) as error:
             failure = error
         self._plan(arguments)  # raises an EinattnError if the arguments are at fault
@@ -243,7 +254,7 @@ class Contraction:
             scale = 1.0 / math.sqrt(sizes[self._parsed.scale])
         out = self._parsed.output
         out_shape = tuple(math.prod(sizes[i] for i in axis.indices) for axis in out.axes)
-        slots = tuple(self.operands.index(t.name) for t in terms)
+        slots = tuple(self._inputs.index(t.name) for t in terms)
         arriving = [shapes[t.name] for t in terms]  # groups of indices may still be one axis
         steps = self._steps(atomic, sizes) if len(terms) > 2 else ()
         plan = _Plan(
@@ -291,7 +302,7 @@ class Contraction:
         shapes: dict[str, tuple[int, ...]] = {}
         given: dict[str, int] = {}
         for name, value in arguments.items():
-            if name in self.operands:
+            if name in self._inputs:
                 shapes[name] = _shape_of(name, value, allow_shapes)
             elif name in self._letters:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -314,76 +325,13 @@ class Contraction:
                 raise at(f"{name} is on {t.device} but {self.operands[0]} is on {first.device}",
                          self.text)
 
-    def _resolve(self, shapes: dict[str, tuple[int, ...]], given: dict[str, int]) -> dict[str, int]:
-        """The size of every index, checked by name across tensors, groups and keywords."""
-        sizes = dict(given)
-        source = {k: ("", -1) for k in given}
-        groups = []
-        for term in self._parsed.operands:
-            shape = shapes[term.name]
-            if len(shape) == len(term.indices):  # every axis its own index (groups opened)
-                pairs = [((i,), (p,), n)
-                         for i, p, n in zip(term.indices, term.positions, shape, strict=True)]
-            elif len(shape) == len(term.axes):
-                pairs = [(a.indices, a.positions, n) for a, n in zip(term.axes, shape, strict=True)]
-            else:
-                also = f" (or {len(term.indices)} with its groups opened)" if term.grouped else ""
-                raise at(f"{term.name} has {len(shape)} axes {tuple(shape)} but "
-                         f"{term.text()} has {len(term.axes)}{also}", self.text, term.position)
-            for indices, positions, n in pairs:
-                if len(indices) == 1:
-                    self._settle(sizes, source, indices[0], n, term.name, positions[0])
-                else:
-                    groups.append((term, indices, positions, n))
-        self._solve_groups(groups, sizes, source)
-        return {i: sizes[i] for i in self._letters}
+    def _with_deltas(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """``arguments`` and the equation's deltas, made from the sizes they give."""
+        tensors = {k: v for k, v in arguments.items() if k in self.operands}
+        sizes = self.sizes(**{k: v for k, v in arguments.items() if not _delta.is_delta(k)})
+        like = next((t for t in tensors.values() if isinstance(t, torch.Tensor)), None)
+        return {**arguments, **_delta.tensors(self._parsed.operands, sizes, like)}
 
-    def _settle(self, sizes, source, index, n, tensor, pos) -> None:
-        if index not in sizes:
-            sizes[index], source[index] = n, (tensor, pos)
-            return
-        if sizes[index] != n:
-            where, first_pos = source[index]
-            where = (f"{index}={sizes[index]} was given" if first_pos < 0
-                     else f"{sizes[index]} in {where}")
-            raise at(f"index {index!r} has size {n} in {tensor} but {where}",
-                     self.text, *(p for p in (pos, first_pos) if p >= 0))
-
-    def _solve_groups(self, groups, sizes, source) -> None:
-        pending = list(groups)
-        while pending:
-            progress = []
-            for group in pending:
-                term, indices, positions, n = group
-                unknown = [i for i in indices if i not in sizes]
-                if len(unknown) > 1:
-                    continue
-                known = math.prod([sizes[i] for i in indices if i in sizes])  # a list: dynamo
-                label = f"group ({' '.join(indices)}) of {term.name}"
-                product = "·".join([f"{i}={sizes[i]}" for i in indices if i in sizes])
-                if not unknown and known != n:
-                    raise at(f"{label} has length {n} but {product} gives {known}",
-                             self.text, *positions)
-                divisor = f"{product} = {known}" if "·" in product else product
-                if unknown and n == known == 0:  # 0 = 0 · anything
-                    raise at(f"{label} has length 0, and with {divisor} any size of "
-                             f"{unknown[0]} fits: give it as a keyword, {unknown[0]}=...",
-                             self.text, *positions)
-                if unknown and (known == 0 or n % known):
-                    raise at(f"{label} has length {n}, not divisible by {divisor}",
-                             self.text, *positions)
-                if unknown:
-                    k = indices.index(unknown[0])
-                    sizes[unknown[0]] = n // known
-                    source[unknown[0]] = (term.name, positions[k])
-                progress.append(group)
-            if not progress:
-                term, indices, positions, n = pending[0]
-                unknown = [i for i in indices if i not in sizes]
-                raise at(f"cannot infer the sizes of {', '.join(unknown)} in group "
-                         f"({' '.join(indices)}) of {term.name} (length {n}): give all but one "
-                         f"as keywords, e.g. {unknown[0]}=...", self.text, *positions)
-            pending = [g for g in pending if g not in progress]
 
 
 def signature(arguments: dict[str, Any]) -> tuple:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from . import _expression, _softmax
+from . import _delta, _expression, _softmax
 from ._contraction import Contraction, opened, signature
 from ._expression import Call, Scalar, Tensor, walk
 from ._expression_compile import Algebra, Compiler, Stage
@@ -121,11 +121,12 @@ class ExpressionRun:
     def __init__(self, text: str):
         self.text = text
         tree = _expression.parse(text)
+        tree = replace(tree, right=_delta.numbered_tree(tree.right, text))
         self._tree = tree
         terms = tuple(n.term for n in walk(tree.right) if isinstance(n, Tensor))
         self._parsed = Parsed(tree.output, terms, None, -1)  # what the size checks read
         self._letters = assign_letters(self._parsed, text)
-        self.operands = tuple(dict.fromkeys(t.name for t in terms))
+        self._named(terms)
         self.scalars = tuple(dict.fromkeys(n.name for n in walk(tree.right)
                                            if isinstance(n, Scalar)))
         _expression.check_names(tree, self.operands, self.scalars, text)
@@ -141,6 +142,8 @@ class ExpressionRun:
         return render(self._tree)
 
     def __call__(self, **arguments: Any) -> torch.Tensor:
+        if self._deltas:
+            arguments = self._with_deltas(arguments)
         tensors = arguments
         if self.scalars:
             for name in self.scalars:  # a Python number passes at the cost of one lookup

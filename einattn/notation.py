@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from ._contraction import _MAX_PLANS as _MAX_PLANS  # the plan cache's size, for the tests
 from ._contraction import Contraction, Explanation, opened, signature
 from ._expression_run import ExpressionRun
+from ._grad import derived
 from ._syntax import is_expression
 from .latex import read
 
@@ -50,6 +51,16 @@ class Equation(Contraction):
         ``size_names`` ties a size to an index: ``{"d_k": "a"}`` for ``\\sqrt{d_k}``;
         ``labels`` names superscripts that label a tensor: ``{"l"}`` reads ``h^{l}`` as ``h_l``."""
         return Equation(read(tex, size_names, labels))
+
+    def grad(self, wrt: str) -> Equation:
+        """The gradient of this equation with respect to its tensor ``wrt``, as an equation
+        ``d<wrt>[…] = …`` of the forward's tensors, its output ``<Out>`` and the cotangent
+        ``d<Out>`` (reverse mode, rule by rule: :mod:`einattn._grad`).
+
+        >>> Equation("S[τ σ] = Q[τ a] K[σ a]").grad("Q")
+        Equation('dQ[τ a] = dS[τ σ] K[σ a]')
+        """
+        return Equation(derived(self, wrt))
 
 
 class Expression(ExpressionRun, Equation):
