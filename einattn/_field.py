@@ -38,6 +38,13 @@ _MOST_TERMS = 1 << 15  # products summed at once: below 2^63 with halves of 16 b
 
 
 @dataclass(frozen=True)
+class Missing:
+    """A form (a value, an exponent, a gradient) that does not exist here, and why."""
+
+    why: str
+
+
+@dataclass(frozen=True)
 class Field:
     """``Z_p`` for the values and ``Z_q``, ``q = (p − 1)/2``, for the exponents."""
 

@@ -26,6 +26,7 @@ from functools import lru_cache
 import torch
 
 from . import _delta, _expression
+from . import _field_tape as tape
 from ._expression import Product, Tensor, walk
 from ._expression_compile import Algebra, Compiler
 from ._field import Field
@@ -77,7 +78,8 @@ def _free(key: str, shape: tuple[int, ...]) -> FieldTensor:
 def _nothing(why: str):
     """A function with no finite-field form."""
     def none(x: FieldTensor) -> FieldTensor:
-        return FieldTensor(x.field, x.shape, Missing(why), Missing(why), Missing(why))
+        return FieldTensor(x.field, x.shape, Missing(why), Missing(why), None,
+                           tape.link((x, lambda g: Missing(why))))
     return none
 
 
@@ -155,21 +157,17 @@ def evaluate(side, env: dict[str, FieldTensor], sizes: dict[str, int]) -> FieldT
 def vjp(forward, wrt: str, cotangent: str, env: dict[str, FieldTensor],
         sizes: dict[str, int]) -> FieldTensor:
     """Autograd's ``d<wrt>`` of ``forward`` for the cotangent ``env[cotangent]``, exactly:
-    the forward evaluated with one tangent per entry of ``wrt`` (forward mode, each rule's
-    derivative in the field), each tangent of the output summed against the cotangent."""
-    x, F = env[wrt], env[wrt].field
-    k = math.prod(x.shape)
-    basis = torch.eye(k, dtype=torch.int64).reshape(k, *x.shape)
-    out = evaluate(forward, {**env, wrt: replace(x, tangent=basis)}, sizes)
+    the forward evaluated with ``wrt`` marked, then each rule run back from its output in
+    the field (:func:`einattn._field_tape.backward`)."""
+    x = env[wrt]
+    leaf = replace(x, parents=(), leaf=True)
+    out = evaluate(forward, {**env, wrt: leaf}, sizes)
     d_out = env[cotangent]
-    tangent = out.tangent
-    if tangent is None:
-        tangent = torch.zeros((k, *out.shape), dtype=torch.int64)
-    if isinstance(tangent, Missing) or isinstance(d_out.values, Missing):
-        why = tangent.why if isinstance(tangent, Missing) else d_out.values.why
-        return FieldTensor(F, x.shape, Missing(why), Missing(why))
-    total = (tangent * d_out.values.t % F.p).reshape(k, -1).sum(-1) % F.p
-    return FieldTensor(F, x.shape, _gradient_values(total.reshape(x.shape), out, d_out),
+    seed = d_out.values.t if isinstance(d_out.values, Values) else d_out.values
+    gradient = seed if isinstance(seed, Missing) else tape.backward(out, seed, leaf)
+    if isinstance(gradient, Missing):
+        return FieldTensor(x.field, x.shape, gradient, gradient)
+    return FieldTensor(x.field, x.shape, _gradient_values(gradient, out, d_out),
                        Missing("a gradient inside exp"))
 
 

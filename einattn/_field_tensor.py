@@ -1,5 +1,6 @@
 """A tensor of a finite-field evaluation: the values of one node of an equation, in ``Z_p``
-and as an exponent, with its tangent and with what bounds the chance of a false pass.
+and as an exponent, what it was computed from (for a gradient, in reverse mode) and what
+bounds the chance of a false pass.
 
 A real number ``x`` is held twice, as each of its uses needs it:
 
@@ -32,7 +33,8 @@ from fractions import Fraction
 
 import torch
 
-from ._field import Field
+from . import _field_tape as tape
+from ._field import Field, Missing
 
 Uses = tuple[frozenset, frozenset]  # the names read as values, and as exponents
 _NONE: Uses = (frozenset(), frozenset())
@@ -83,13 +85,6 @@ class Degree:
 
 
 @dataclass(frozen=True)
-class Missing:
-    """A form that does not exist, and why."""
-
-    why: str
-
-
-@dataclass(frozen=True)
 class Values:
     t: torch.Tensor  # residues of Z_p
     degree: Degree
@@ -131,20 +126,30 @@ def _form(a: dict, b: dict, c: Fraction = Fraction(1)) -> dict:
 
 @dataclass(frozen=True, eq=False)
 class FieldTensor:
-    """One tensor of a finite-field evaluation: its value, its exponent (either may be
-    :class:`Missing`), its tangent ``(K, *shape)`` (None: zero) and, for a number, its
-    value as a fraction."""
+    """One tensor of a finite-field evaluation: its value and its exponent (either may be
+    :class:`Missing`), for a number its value as a fraction, and, where it depends on the
+    tensor a gradient is taken for, how: ``parents``, each with the rule that takes this
+    tensor's cotangent to the parent's (reverse mode, :func:`einattn._field_tape.backward`)."""
 
     field: Field
     shape: tuple[int, ...]
     values: Rep
     exponents: Rep
-    tangent: torch.Tensor | Missing | None = None
     constant: Fraction | None = None
+    parents: tuple = ()  # (parent, rule: cotangent -> the parent's cotangent, or Missing)
+    leaf: bool = False  # the tensor a gradient is taken for
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def tracked(self) -> bool:
+        return self.leaf or bool(self.parents)
+
+    def _value(self):
+        """The values a rule multiplies by, or why there are none."""
+        return self.values.t if isinstance(self.values, Values) else self.values
 
     # -- arithmetic ------------------------------------------------------------------------
 
@@ -162,23 +167,24 @@ class FieldTensor:
                           lambda a, b: _exponent_sum(F, a, b, sign))
         constant = None if None in (self.constant, other.constant) else \
             self.constant + sign * other.constant
-        return FieldTensor(F, shape, values, exponents,
-                           _tangent_sum(F, self.tangent, other.tangent, sign, shape), constant)
+        parents = tape.link((self, lambda g: tape.unbroadcast(F, g, self.shape)),
+                            (other, lambda g: tape.unbroadcast(F, sign * g, other.shape)))
+        return FieldTensor(F, shape, values, exponents, constant, parents)
 
     def __neg__(self) -> FieldTensor:
         return self.scaled(Fraction(-1))
 
     def __mul__(self, other: FieldTensor) -> FieldTensor:
-        F, shape = self.field, torch.broadcast_shapes(self.shape, other.shape)
-        values = _pair(self.values, other.values, lambda a, b: Values(
-            a.t * b.t % F.p, a.degree.times(b.degree), joined(a.uses, b.uses)))
         if self.constant is not None or other.constant is not None:  # a number: 0-d
             number, x = (self, other) if self.constant is not None else (other, self)
             return x.scaled(number.constant)
+        F, shape = self.field, torch.broadcast_shapes(self.shape, other.shape)
+        values = _pair(self.values, other.values, lambda a, b: Values(
+            a.t * b.t % F.p, a.degree.times(b.degree), joined(a.uses, b.uses)))
         exponents = Missing("inside exp, a product of two drawn values (no bound holds)")
-        tangent = _product_rule(F, [self, other], shape,
-                                lambda ts: ts[0] * ts[1] % F.p)
-        return FieldTensor(F, shape, values, exponents, tangent)
+        parents = tape.link((self, tape.times(F, other._value(), self.shape)),
+                            (other, tape.times(F, self._value(), other.shape)))
+        return FieldTensor(F, shape, values, exponents, None, parents)
 
     def __truediv__(self, other: FieldTensor) -> FieldTensor:
         return self * other.reciprocal()
@@ -189,9 +195,10 @@ class FieldTensor:
             return number(F, 1 / self.constant)
         values = _each(self.values, lambda a: Values(
             F.inverse(a.t), Degree().over(a.degree), a.uses))
-        tangent = _chain(self, values, lambda t, v: -t * v % F.p * v % F.p)
+        square = values if isinstance(values, Missing) else values.t * values.t % F.p
+        parents = tape.link((self, tape.times(F, square, self.shape, -1)))
         return FieldTensor(F, self.shape, values, Missing(
-            "inside exp, a division by a drawn value (no bound holds)"), tangent)
+            "inside exp, a division by a drawn value (no bound holds)"), None, parents)
 
     def scaled(self, c: Fraction) -> FieldTensor:
         """``c · self`` for a rational ``c``."""
@@ -199,10 +206,9 @@ class FieldTensor:
         k = F.value(c)
         values = _each(self.values, lambda a: Values(a.t * k % F.p, a.degree, a.uses))
         exponents = _each(self.exponents, lambda a: _exponent_scaled(F, a, c))
-        tangent = self.tangent if not isinstance(self.tangent, torch.Tensor) else \
-            self.tangent * k % F.p
         constant = None if self.constant is None else c * self.constant
-        return FieldTensor(F, self.shape, values, exponents, tangent, constant)
+        parents = tape.link((self, lambda g: g * k % F.p))
+        return FieldTensor(F, self.shape, values, exponents, constant, parents)
 
     # -- functions -------------------------------------------------------------------------
 
@@ -210,16 +216,19 @@ class FieldTensor:
         F = self.field
         values = _each(self.exponents, lambda a: Values(
             F.exp(a.e) if a.f is None else F.exp(a.e) * a.f % F.p, a.degree(), a.uses))
-        tangent = _chain(self, values, lambda t, v: t * v % F.p)
-        return FieldTensor(F, self.shape, values, Missing("exp inside exp"), tangent)
+        out = values.t if isinstance(values, Values) else values
+        return FieldTensor(F, self.shape, values, Missing("exp inside exp"), None,
+                           tape.link((self, tape.times(F, out, self.shape))))
 
     def log(self) -> FieldTensor:
         F = self.field
         exponents = _each(self.values, lambda a: Exponents(
             torch.zeros_like(a.t), a.t, {}, a.degree, a.uses))
         values = Missing("log outside exp: a logarithm has no value in a finite field")
-        return FieldTensor(F, self.shape, values, exponents,
-                           _chain(self, self.values, lambda t, v: t * F.inverse(v) % F.p))
+        v = self._value()
+        inverse = v if isinstance(v, Missing) else F.inverse(v)
+        return FieldTensor(F, self.shape, values, exponents, None,
+                           tape.link((self, tape.times(F, inverse, self.shape))))
 
     def sum_last(self) -> FieldTensor:
         """``sum`` over the last axis."""
@@ -230,9 +239,8 @@ class FieldTensor:
             a.e.sum(-1) % F.q, None if a.f is None else _product_last(F, a.f),
             _form({}, a.form, Fraction(n)), a.log.summed(n) if a.f is not None else a.log,
             a.uses))
-        tangent = self.tangent if not isinstance(self.tangent, torch.Tensor) else \
-            self.tangent.sum(-1) % F.p
-        return FieldTensor(F, shape, values, exponents, tangent)
+        parents = tape.link((self, lambda g: g[..., None].expand(self.shape)))
+        return FieldTensor(F, shape, values, exponents, None, parents)
 
     def softmax_last(self) -> FieldTensor:
         """``softmax`` over the last axis: ``exp(x) / sum(exp(x))``."""
@@ -244,39 +252,39 @@ class FieldTensor:
 
     # -- shapes ----------------------------------------------------------------------------
 
-    def _shaped(self, shape: tuple[int, ...], on_tensor, on_tangent) -> FieldTensor:
+    def _shaped(self, shape, on_tensor, back) -> FieldTensor:
+        """This tensor's entries laid out anew by ``on_tensor``, ``back`` undoing it."""
         values = _each(self.values, lambda a: replace(a, t=on_tensor(a.t)))
         exponents = _each(self.exponents, lambda a: replace(
             a, e=on_tensor(a.e), f=None if a.f is None else on_tensor(a.f)))
-        tangent = on_tangent(self.tangent) if isinstance(self.tangent, torch.Tensor) \
-            else self.tangent
         return replace(self, shape=tuple(shape), values=values, exponents=exponents,
-                       tangent=tangent)
+                       parents=tape.link((self, back)), leaf=False)
 
     def permute(self, *order: int) -> FieldTensor:
         shape = tuple(self.shape[k] for k in order)
-        return self._shaped(shape, lambda t: t.permute(*order),
-                            lambda t: t.permute(0, *(k + 1 for k in order)))
+        undo = sorted(range(len(order)), key=order.__getitem__)
+        return self._shaped(shape, lambda t: t.permute(*order), lambda g: g.permute(*undo))
 
     def __getitem__(self, index: tuple) -> FieldTensor:
+        """Indexing by ``None``, ``:`` and ``...`` alone (new axes of one entry)."""
         index = index if isinstance(index, tuple) else (index,)
         shape = torch.empty(self.shape, device="meta")[index].shape
-        return self._shaped(tuple(shape), lambda t: t[index], lambda t: t[(slice(None), *index)])
+        return self._shaped(tuple(shape), lambda t: t[index],
+                            lambda g: g.reshape(self.shape))
 
     def reshape(self, *shape: int) -> FieldTensor:
-        return self._shaped(shape, lambda t: t.reshape(*shape),
-                            lambda t: t.reshape(t.shape[0], *shape))
+        return self._shaped(shape, lambda t: t.reshape(*shape), lambda g: g.reshape(self.shape))
 
     def unflatten(self, dim: int, sizes: list[int]) -> FieldTensor:
         shape = torch.empty(self.shape, device="meta").unflatten(dim, sizes).shape
         return self._shaped(tuple(shape), lambda t: t.unflatten(dim, sizes),
-                            lambda t: t.unflatten(dim + 1, sizes))
+                            lambda g: g.reshape(self.shape))
 
 
 def number(F: Field, c: Fraction) -> FieldTensor:
     """A rational number, as a value and as an exponent."""
     return FieldTensor(F, (), Values(torch.tensor(F.value(c)), Degree(), _NONE),
-                       Exponents(torch.tensor(F.exponent(c)), None), None, c)
+                       Exponents(torch.tensor(F.exponent(c)), None), constant=c)
 
 
 def constant(F: Field, t: torch.Tensor) -> FieldTensor:
@@ -296,13 +304,12 @@ def root(F: Field, n: int) -> FieldTensor:
         f"inside exp, a division by √{n}, which is irrational (no bound holds)"))
 
 
-def drawn(F: Field, name: str, value: torch.Tensor, exponent: torch.Tensor,
-          tangent: torch.Tensor | None = None) -> FieldTensor:
+def drawn(F: Field, name: str, value: torch.Tensor, exponent: torch.Tensor) -> FieldTensor:
     """A drawn tensor: a random value of ``Z_p`` and, independently, a random exponent."""
     one = Degree(Fraction(1))
     return FieldTensor(F, tuple(value.shape), Values(value, one, (frozenset({name}), frozenset())),
                        Exponents(exponent, None, {name: (Fraction(1), Fraction(0))}, Degree(),
-                                 (frozenset(), frozenset({name}))), tangent)
+                                 (frozenset(), frozenset({name}))))
 
 
 def mask(F: Field, name: str, kept: torch.Tensor) -> FieldTensor:
@@ -325,10 +332,7 @@ def _pair(a: Rep, b: Rep, rule) -> Rep:
     return a if isinstance(a, Missing) else b if isinstance(b, Missing) else rule(a, b)
 
 
-def _lifted(t: torch.Tensor, rank: int) -> torch.Tensor:
-    """A tangent ``(K, *s)`` as ``(K, 1, …, 1, *s)`` with ``rank`` axes after K, so that it
-    broadcasts against values of ``rank`` axes as its own values do (from the right)."""
-    return t.reshape(t.shape[0], *[1] * (rank - t.ndim + 1), *t.shape[1:])
+
 
 
 def _exponent_sum(F: Field, a: Exponents, b: Exponents, sign: int) -> Exponents:
@@ -354,46 +358,6 @@ def _exponent_scaled(F: Field, a: Exponents, c: Fraction) -> Exponents | Missing
     return Exponents(a.e * F.exponent(c) % F.q, f, _form({}, a.form, c), log, a.uses)
 
 
-def _tangent_sum(F: Field, a, b, sign: int, shape) -> torch.Tensor | Missing | None:
-    if isinstance(a, Missing) or isinstance(b, Missing):
-        return a if isinstance(a, Missing) else b
-    if a is None and b is None:
-        return None
-    k = (a if a is not None else b).shape[0]
-    a = 0 if a is None else _lifted(a, len(shape))
-    b = 0 if b is None else _lifted(b, len(shape))
-    return torch.broadcast_to((a + sign * b) % F.p, (k, *shape))
-
-
-def _product_rule(F: Field, factors: list[FieldTensor], shape, multiply, lift: bool = True):
-    """The tangent of a product: each factor's tangent times the others' values, summed
-    (``multiply`` of the factors' values, one of them a tangent; ``lift``: align that
-    tangent to ``shape``'s axes, as the entrywise product broadcasts)."""
-    total = None
-    for k, x in enumerate(factors):
-        if x.tangent is None:
-            continue
-        if isinstance(x.tangent, Missing):
-            return x.tangent
-        others = [f.values for j, f in enumerate(factors) if j != k]
-        missing = next((v for v in others if isinstance(v, Missing)), None)
-        if missing is not None:
-            return Missing(f"the tangent needs a value: {missing.why}")
-        tangent = _lifted(x.tangent, len(shape)) if lift else x.tangent
-        term = multiply([tangent if j == k else f.values.t for j, f in enumerate(factors)])
-        total = term if total is None else (total + term) % F.p
-    return None if total is None else torch.broadcast_to(total, (total.shape[0], *shape))
-
-
-def _chain(x: FieldTensor, values: Rep, rule):
-    """The tangent of ``f(x)``: ``rule(x's tangent, a value the rule needs)``."""
-    if x.tangent is None or isinstance(x.tangent, Missing):
-        return x.tangent
-    if isinstance(values, Missing):
-        return Missing(f"the tangent needs a value: {values.why}")
-    return rule(x.tangent, values.t)
-
-
 def _product_last(F: Field, f: torch.Tensor) -> torch.Tensor:
     """The product over the last axis, in ``Z_p``."""
     result = torch.ones(f.shape[:-1], dtype=f.dtype)
@@ -402,14 +366,14 @@ def _product_last(F: Field, f: torch.Tensor) -> torch.Tensor:
     return result
 
 
+
 def contracted(F: Field, subscripts: str, factors: list[FieldTensor]) -> FieldTensor:
-    """``einsum(subscripts, *factors)`` in ``Z_p`` (each factor one axis per letter), its
-    tangent by the product rule; a contraction of drawn values has no exponent."""
+    """``einsum(subscripts, *factors)`` in ``Z_p`` (each factor one axis per letter); a
+    contraction of drawn values has no exponent."""
     inputs, out = subscripts.split("->")
     terms = inputs.split(",")
     size = {c: n for term, x in zip(terms, factors, strict=True)
             for c, n in zip(term, x.shape, strict=True)}
-    shape = tuple(size[c] for c in out)
     summed = math.prod(n for c, n in size.items() if c not in out)
     reps = [x.values for x in factors]
     values = next((r for r in reps if isinstance(r, Missing)), None)
@@ -419,10 +383,7 @@ def contracted(F: Field, subscripts: str, factors: list[FieldTensor]) -> FieldTe
             degree = degree.times(r.degree)
         values = Values(F.contract(subscripts, *(r.t for r in reps)), degree.summed(summed),
                         joined(*(r.uses for r in reps)))
-    k = next(c for c in "KZYXWVU" if c not in subscripts)  # the tangents' own axis
-    tangent = _product_rule(F, factors, shape, lambda ts: F.contract(
-        ",".join(k + term if t.ndim > len(term) else term for term, t in zip(terms, ts,
-                                                                              strict=True))
-        + f"->{k}{out}", *ts), lift=False)
-    return FieldTensor(F, shape, values, Missing(
-        "inside exp, a contraction of drawn values (no bound holds)"), tangent)
+    parents = tape.link(*((x, tape.contraction_rule(F, subscripts, factors, k))
+                          for k, x in enumerate(factors)))
+    return FieldTensor(F, tuple(size[c] for c in out), values, Missing(
+        "inside exp, a contraction of drawn values (no bound holds)"), None, parents)

@@ -5,8 +5,6 @@ functions of a multilinear step); the four-operand scores contract in the Q·K o
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
