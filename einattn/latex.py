@@ -32,9 +32,10 @@ back. Seed 003's scores, and the equation they are read as::
   even when repeated on the right. ``\sum_{j}`` may say so, if ``j`` is summed.
 * Alignment ``&``, ``\nonumber``, ``\notag`` and a closing ``\\`` are ignored.
 
-Anything else (a softmax, a sum of terms, a second ``=``, a number as an index, an unknown
-command, an unbalanced brace) is an :class:`~einattn.errors.EinattnError` with a caret under
-its place in the LaTeX.
+An equation that is more than one product (a softmax, a sum of terms, a quotient, a
+function) is read by :mod:`einattn._latex_expression`, with these rules for its tensors.
+Anything else (a second ``=``, a number as an index, an unknown command, an unbalanced
+brace) is an :class:`~einattn.errors.EinattnError` with a caret under its place in the LaTeX.
 """
 
 from __future__ import annotations

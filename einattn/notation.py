@@ -24,7 +24,9 @@ from ._contraction import _MAX_PLANS as _MAX_PLANS  # the plan cache's size, for
 from ._contraction import Contraction, Explanation, opened, signature
 from ._expression_run import ExpressionRun
 from ._grad import derived
+from ._latex_expression import read_expression, written_as_expression
 from ._syntax import is_expression
+from .errors import EinattnError
 from .latex import read
 
 __all__ = ["Equation", "Explanation", "Expression", "opened", "signature"]
@@ -49,8 +51,15 @@ class Equation(Contraction):
                    labels: Iterable[str] = ()) -> Equation:
         """An equation from LaTeX index notation, read as :mod:`einattn.latex` says;
         ``size_names`` ties a size to an index: ``{"d_k": "a"}`` for ``\\sqrt{d_k}``;
-        ``labels`` names superscripts that label a tensor: ``{"l"}`` reads ``h^{l}`` as ``h_l``."""
-        return Equation(read(tex, size_names, labels))
+        ``labels`` names superscripts that label a tensor: ``{"l"}`` reads ``h^{l}`` as ``h_l``.
+        An equation that is more than one product (``\\operatorname{softmax}_{\\sigma}``,
+        ``\\exp``, ``+``, ``\\frac{…}{…}``) is read by :mod:`einattn._latex_expression`."""
+        try:
+            return Equation(read(tex, size_names, labels))
+        except EinattnError:
+            if not written_as_expression(tex):  # a product with a mistake: its own message
+                raise
+        return Equation(read_expression(tex, size_names, labels, build=Equation))
 
     def grad(self, wrt: str) -> Equation:
         """The gradient of this equation with respect to its tensor ``wrt``, as an equation
