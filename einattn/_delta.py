@@ -51,9 +51,20 @@ def tensor(sizes: list[int], like: torch.Tensor | None) -> torch.Tensor:
     return equal.to(options.get("dtype", torch.float64))
 
 
+def squared(terms, sizes: dict[str, int]) -> dict[str, int]:
+    """``sizes`` and the size of each index that only a delta carries where another index
+    of that delta has one: a delta is square (``δ[τ τʹ]`` of a diagonal, τʹ as τ)."""
+    sizes = dict(sizes)
+    for term in (t for t in terms if is_delta(t.name)):
+        known = [sizes[i] for i in term.indices if i in sizes]
+        sizes |= {i: known[0] for i in term.indices if known and i not in sizes}
+    return sizes
+
+
 def tensors(terms: tuple[Term, ...], sizes: dict[str, int],
             like: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Each delta among ``terms``, by its inner name."""
+    sizes = squared(terms, sizes)
     return {t.name: tensor([sizes[i] for i in t.indices], like)
             for t in terms if is_delta(t.name)}
 

@@ -82,12 +82,15 @@ def compare(sides: list, sizes: dict[str, int], signature: dict, masks, seed: in
 
 
 def _evaluated(sides: list, draw: Draw, signature: dict, masks, sizes: dict[str, int]):
-    """Both sides on one draw: each tensor drawn once, by name (a mask as 0/1 multipliers)."""
+    """Both sides on one draw: each tensor drawn once, by name (a mask as 0/1 multipliers),
+    on the CPU whatever torch's default device (integer products)."""
     token = CURRENT.set(draw)
     try:
-        env = {name: _mask(draw, name, shape_of(sizes)) if name in masks
-               else draw.tensor(name, shape_of(sizes)) for name, shape_of in signature.items()}
-        return [evaluate(side, env, sizes) for side in sides]
+        with torch.device("cpu"):
+            env = {name: _mask(draw, name, shape_of(sizes)) if name in masks
+                   else draw.tensor(name, shape_of(sizes))
+                   for name, shape_of in signature.items()}
+            return [evaluate(side, env, sizes) for side in sides]
     finally:
         CURRENT.reset(token)
 

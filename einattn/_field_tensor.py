@@ -181,7 +181,8 @@ class FieldTensor:
         F, shape = self.field, torch.broadcast_shapes(self.shape, other.shape)
         values = _pair(self.values, other.values, lambda a, b: Values(
             a.t * b.t % F.p, a.degree.times(b.degree), joined(a.uses, b.uses)))
-        exponents = Missing("inside exp, a product of two drawn values (no bound holds)")
+        exponents = next((x.exponents for x in (self, other) if isinstance(x.exponents, Missing)),
+                         Missing("inside exp, a product of two drawn values (no bound holds)"))
         parents = tape.link((self, tape.times(F, other._value(), self.shape)),
                             (other, tape.times(F, self._value(), other.shape)))
         return FieldTensor(F, shape, values, exponents, None, parents)
@@ -197,8 +198,9 @@ class FieldTensor:
             F.inverse(a.t), Degree().over(a.degree), a.uses))
         square = values if isinstance(values, Missing) else values.t * values.t % F.p
         parents = tape.link((self, tape.times(F, square, self.shape, -1)))
-        return FieldTensor(F, self.shape, values, Missing(
-            "inside exp, a division by a drawn value (no bound holds)"), None, parents)
+        exponents = self.exponents if isinstance(self.exponents, Missing) else Missing(
+            "inside exp, a division by a drawn value (no bound holds)")
+        return FieldTensor(F, self.shape, values, exponents, None, parents)
 
     def scaled(self, c: Fraction) -> FieldTensor:
         """``c · self`` for a rational ``c``."""

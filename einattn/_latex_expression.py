@@ -26,7 +26,7 @@ from .errors import EinattnError
 
 _FUNCTIONS = {r"\exp": "exp", r"\log": "log", r"\tanh": "tanh"}
 _NAMED = ("softmax", "logsumexp")
-_SIGNS = {"+", "-", r"\exp", r"\log", r"\tanh", r"\max", "softmax", "logsumexp"}
+_SIGNS = {"+", "-", r"\exp", r"\log", r"\tanh", r"\max"}
 
 
 def written_as_expression(tex: str) -> bool:
@@ -39,10 +39,14 @@ def written_as_expression(tex: str) -> bool:
     except EinattnError:
         return False
     values = [t.value for t in tokens]
+    if any(f"{{{name}}}" in "".join(values) for name in _NAMED):
+        return True
+    slots = []  # for each open brace, whether it holds index slots (after _ or ^)
     for k, value in enumerate(values):
-        after = values[k + 1:k + 3]
-        if value in _SIGNS or (value == "e" and after[:1] == ["^"]) or (
-                value.isdigit() and values[k - 1:k] != ["{"]):
+        slots = [*slots, values[k - 1:k] in (["_"], ["^"])] if value == "{" else \
+            slots[:-1] if value == "}" else slots
+        if value in _SIGNS or (value == "e" and values[k + 1:k + 2] == ["^"]) or (
+                value.isdigit() and not any(slots) and values[k - 1:k] != ["_"]):
             return True
         if value == r"\frac" and _denominator(values, k + 1)[:1] != [r"\sqrt"]:
             return True
@@ -147,6 +151,7 @@ class _Reader:
                 return
 
     def product(self, r: Reader) -> None:
+        """Factors, a tensor beside what comes before it (``Q[τ b] K[σ b]``), else ``·``."""
         first = True
         while True:
             token = r.peek()
@@ -161,9 +166,11 @@ class _Reader:
                 r.take()
                 self.divisor(r, token.col)
             else:
+                k = len(self.w.pieces)
                 if not first:
                     self.w.put(" · ", token.col)
-                self.factor(r)
+                if self.factor(r) == "term" and not first:
+                    self.w.pieces[k][0] = " "
                 first = False
 
     def divisor(self, r: Reader, col: int) -> None:
@@ -179,15 +186,16 @@ class _Reader:
         self.w.roots.append((len(self.w.pieces), r, r.braced(r"after \sqrt")))
         self.w.put(" / √", token.col)
 
-    def factor(self, r: Reader) -> None:
+    def factor(self, r: Reader) -> str | None:
+        """One factor; ``"term"`` where it is a tensor."""
         token = r.peek()
         if token.value == r"\frac":
             return self.fraction(r)
-        if token.value in ("(", "{") or (token.value == r"\left" and not self.named(r)):
+        if token.value in ("(", "{", r"\left") and not self.named(r):
             return self.group(r)
         if token.value in _FUNCTIONS:
             r.take()
-            return self.call(r, _FUNCTIONS[token.value], None)
+            return self.call(r, _FUNCTIONS[token.value], None, token.col)
         if token.value in (r"\max", r"\sum") or self.operator(r) is not None:
             return self.axis_function(r)
         if token.kind == "char" and (token.value.isdigit() or token.value == "."):
@@ -195,14 +203,15 @@ class _Reader:
         if token.value == "e" and r.peek(1).value == "^" and self.exponent_follows(r):
             r.take()
             r.take()
-            return self.call(r, "exp", None)
+            return self.call(r, "exp", None, token.col)
         if token.value == r"\sqrt":
             raise r.error(r"a square root divides: write / \sqrt{d_x} or \frac{…}{\sqrt{d_x}}",
                           token.col)
         term = latex._term(r)
-        if term.axes:
-            return self.w.term(term)
-        self.w.put(term.name, term.col)  # a name with no index slot: a scalar
+        if not term.axes:
+            return self.w.put(term.name, term.col)  # a name with no index slot: a scalar
+        self.w.term(term)
+        return "term"
 
     def fraction(self, r: Reader) -> None:
         """``\\frac{a}{b}``: ``a / b``, a root of ``b`` the root of a size."""
@@ -247,10 +256,12 @@ class _Reader:
         closing = r.expect(")", "closing the parentheses")
         self.w.put(")", closing.col)
 
-    def call(self, r: Reader, name: str, axis) -> None:
-        """``name(argument)`` (or ``name_axis``): the argument parenthesised, braced, or one
-        factor; ``max(x, y)`` two."""
-        self.w.put(name if axis is None else f"{name}_{axis.name}", r.peek(-1).col)
+    def call(self, r: Reader, name: str, axis, col: int) -> None:
+        """``name(argument)`` (or ``name_axis``) written at ``col``: the argument
+        parenthesised, braced, or one factor; ``max(x, y)`` two."""
+        self.w.put(name, col)
+        if axis is not None:
+            self.w.put(f"_{axis.name}", axis.col)
         token = r.peek()
         if token.value in ("(", r"\left"):
             r.take()
@@ -285,14 +296,14 @@ class _Reader:
                 command = token.value if name == "sum" else rf"\operatorname{{{name}}}"
                 raise r.error(f"{name} needs the index it runs along: write "
                               f"{command}_{{\\sigma}}(…)", token.col)
-            return self.call(r, "max", None)
+            return self.call(r, "max", None, token.col)
         r.take()
         places = [p for p in latex._places(r) if p]
         if len(places) != 1 or len(places[0].indices) != 1:
             raise r.error(f"{name} runs along one index", token.col)
         (axis,) = places[0].indices
         if name != "sum" or r.peek().value in ("(", r"\left"):  # sum_σ(…) of its group
-            return self.call(r, name, axis)
+            return self.call(r, name, axis, token.col)
         self.w.put(f"sum_{axis.name}(", token.col)
         self.product(r)
         self.w.put(")", token.col)
@@ -316,14 +327,19 @@ class _Reader:
         self.w.put(digits, start)
 
     def named(self, r: Reader) -> bool:
-        """Whether ``\\left( W_Q \\right)`` comes next: a tensor's name in parentheses."""
-        values = [t.value for t in r.tokens[r.k:r.k + 8]]
-        if values[:2] != [r"\left", "("] or len(values) < 5:
+        """Whether a tensor's name in parentheses comes next, ``(W_{O})_{μ a i}`` or
+        ``\\left(W_Q\\right)``: a subscripted name, then its index slots."""
+        k = r.k + (2 if r.peek().value == r"\left" else 1)
+        if r.tokens[r.k:k][-1:] and r.tokens[k - 1].value != "(":
             return False
-        closing = values.index(r"\right") if r"\right" in values else -1
-        inside = values[2:closing] if closing > 0 else []
-        return "_" in inside and not any(v in ("+", "-", r"\frac", "(") or v in _FUNCTIONS
-                                         for v in inside)
+        inside = []
+        while k < len(r.tokens) and r.tokens[k].value not in (")", r"\right"):
+            inside.append(r.tokens[k].value)
+            k += 1
+        k += 2 if k < len(r.tokens) and r.tokens[k].value == r"\right" else 1
+        after = r.tokens[k].value if k < len(r.tokens) else ""
+        return "_" in inside and after in ("_", "^") and not any(
+            v in ("+", "-", r"\frac", "(") or v in _FUNCTIONS for v in inside)
 
     def exponent_follows(self, r: Reader) -> bool:
         """``e^{…}`` is an exponential where the superscript holds more than indices."""

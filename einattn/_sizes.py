@@ -39,10 +39,8 @@ class Sizes:
                 else:
                     groups.append((term, indices, positions, n))
         self._solve_groups(groups, sizes, source)
-        for term in (t for t in self._parsed.operands if _delta.is_delta(t.name)):
-            known = [sizes[i] for i in term.indices if i in sizes]  # a square δ: an index
-            sizes |= {i: known[0] for i in term.indices if known and i not in sizes}  # on it
-        for index in (i for i in self._letters if i not in sizes):  # alone is as its others
+        sizes = _delta.squared(self._parsed.operands, sizes)
+        for index in (i for i in self._letters if i not in sizes):
             raise at(f"index {index!r} is on δ alone: give its size as a keyword, {index}=...",
                      self.text, *(p for t in self._parsed.operands if _delta.is_delta(t.name)
                                   for i, p in zip(t.indices, t.positions, strict=True)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import NamedTuple
 
+from . import _delta
 from ._latex_reader import (
     FORM,
     LETTERS,
@@ -392,6 +393,7 @@ def _relocated(error: EinattnError, text: str, cols: list[int], shown: str) -> E
 def symbol(name: str) -> str:
     """An index or tensor name as LaTeX: ``τʹ`` as ``\\tau'``, ``A_tilde`` as
     ``\\tilde{A}``, others as :func:`einattn._syntax.latex_symbol` writes them."""
+    name = _delta.NAME if _delta.is_delta(name) else name  # an equation's δ:k is δ
     base = name.rstrip(PRIME)
     primes = "'" * (len(name) - len(base))
     head, _, accent = base.rpartition("_")
