@@ -42,16 +42,15 @@ class FieldResult:
 
 
 def roots(sides: list, sizes: dict[str, int]) -> set[int]:
-    """The sizes whose square roots the sides divide by."""
+    """The sizes whose square roots the sides divide by (one ``sizes`` lacks is reported
+    where its tensor is drawn)."""
     found = set()
     for side in sides:
         for equation in _sides.equations(side):
-            if equation.scale is not None:
-                found.add(sizes[equation.scale])
             tree = getattr(equation, "_tree", None)
-            for node in [] if tree is None else walk(tree.right):
-                if isinstance(node, Product) and node.root is not None:
-                    found.add(sizes[node.root])
+            nodes = [] if tree is None else walk(tree.right)
+            named = [equation.scale, *(n.root for n in nodes if isinstance(n, Product))]
+            found |= {sizes[i] for i in named if i is not None and i in sizes}
     return found
 
 

@@ -274,7 +274,8 @@ def file_output(path: str, *, exact_only: bool, paint: Paint) -> Output:
                if isinstance(b, derivation_files.Block) else [] for b in blocks]
     errors = tuple(one_line(b.error) for b in blocks if isinstance(b, derivation_files.Refused))
     failed = any(r.verdict == "FAIL" for rs in results for r in rs)
-    mode = ("exact modes only (float-only steps skipped)" if exact_only else _MODES)
+    mode = ("the finite field only (float-only lines skipped)" if exact_only else
+            "each exactly in a finite field where it can be, else in float64")
     head = (f"{path}: {len(blocks)} derivation block{'s' * (len(blocks) != 1)}, each '=' "
             f"line against its block's first right-hand side; {mode}")
     document = {"file": str(path), "exact_only": exact_only,
