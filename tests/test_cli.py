@@ -609,3 +609,24 @@ def test_docs_option_table_lists_every_option(capsys):
     helps = [run(capsys, name, "--help")[1] for name in cli.COMMANDS]
     actual = {option for text in helps for option in re.findall(r"--[\w-]+", text)}
     assert documented == actual - {"--help"}
+
+
+# -- einattn verify --derive: the gradients of (1)-(5), each proved in the finite field --------
+
+def test_verify_derive_lists_each_gradient_of_1_to_5_proved_in_the_field(capsys):
+    code, doc = run_json(capsys, "verify", "--derive", *SMALL)
+    assert code == 0 and doc["passed"] is True
+    assert [(g["equation"], g["wrt"]) for g in doc["gradients"]] == [
+        ("(1)", "X"), ("(1)", "W"), ("(2)", "Q"), ("(2)", "K"), ("(3)", "S"), ("(3)", "M"),
+        ("(4)", "A"), ("(4)", "V"), ("(5)", "Z"), ("(5)", "W_O")]
+    for g in doc["gradients"]:
+        assert (g["mode"], g["verdict"], g["equal"]) == ("field", "PASS", True)
+        assert g["false_acceptance"] < 1e-12 and Equation(g["gradient"]).latex() == g["latex"]
+
+
+def test_verify_derive_takes_no_file(capsys, tmp_path):
+    path = tmp_path / "d.md"
+    path.write_text("```derivation\nY[τ] = X[τ i] v[i]\n= v[i] X[τ i]\n```\n", encoding="utf-8")
+    code, out, err = run(capsys, "verify", "--derive", str(path))
+    assert_usage_error(code, out, err, "einattn: error: --derive derives the gradients of "
+                       "equations (1)-(5); it takes no FILE.md")
