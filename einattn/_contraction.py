@@ -1,18 +1,16 @@
-"""The engine of an index equation that is one product: parsed, checked, planned, run.
-
-:class:`einattn.notation.Equation` is this class with the expression language beside it.
+"""The engine of an index equation that is one product: parsed, checked, planned, run
+(:class:`einattn.notation.Equation` is this class with the expression language beside it;
+its docstring shows one at work). An expression's inner contractions are these too:
 
     >>> import torch
-    >>> scores = Contraction("S[n μ τ σ] = Q[n μ τ a] K[n μ σ a]")
-    >>> Q, K = torch.ones(2, 4, 5, 3), torch.ones(2, 4, 7, 3)
-    >>> scores(Q=Q, K=K).shape
-    torch.Size([2, 4, 5, 7])
-    >>> scores.latex()
-    'S_{n \\\\mu \\\\tau \\\\sigma} = Q_{n \\\\mu \\\\tau a} K_{n \\\\mu \\\\sigma a}'
+    >>> Contraction("Y[τ j] = X[τ i] W[i j]")(X=torch.ones(2, 3), W=torch.ones(3, 4)).shape
+    torch.Size([2, 4])
 
 Summation is Einstein's: an index absent from the left is summed. opt_einsum plans the
 order of a contraction of three or more operands, torch runs each step, and the plan is
 cached per shape signature so a call in a training loop costs about one ``torch.einsum``.
+Index sizes are resolved by name (:mod:`einattn._sizes`), a Kronecker delta ``δ`` made from
+them (:mod:`einattn._delta`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ one reading of an equation, two ways to compute it.
 * ``tanh``: no form (the step runs in float64).
 
 A side is an equation, a :class:`~einattn.chain.Chain` of them, or autograd's gradient of
-one (:func:`vjp`: forward-mode in the field, one tangent per entry of ``wrt``).
+one (:func:`vjp`: reverse mode in the field, :mod:`einattn._field_tape`).
 """
 
 from __future__ import annotations

@@ -211,8 +211,8 @@ def _claimed_side(gradient, forward, wrt: str, names: list[str], out: str, takes
 class Autograd:
     """Autograd's ``d<wrt>`` of a written forward (an equation or a chain), as a side: a
     function of the forward's inputs, scalars and the cotangent ``d<Out>``. In float64 it is
-    ``torch.autograd.grad``; in the finite field the forward is differentiated there, one
-    tangent per entry of ``wrt`` (:func:`einattn._field_eval.vjp`)."""
+    ``torch.autograd.grad``; in the finite field the forward's rules are run back from its
+    output there, in reverse mode (:func:`einattn._field_eval.vjp`)."""
 
     sums_in_float64 = True  # integer draws stay exact below 2^53 only
 

@@ -126,6 +126,10 @@ def check_equivalent(lhs: Side, rhs: Side, sizes: dict[str, int] | None = None, 
     if exact:
         why = next(filter(None, map(_sides.not_multilinear, sides)), "") or \
             ("an additive mask (−∞) is no integer" if masks else "")
+        code = next((s for s in reversed(sides) if not _sides.written(s)), None)
+        if why and not note and code is not None:  # why not the field either
+            why = f"{_sides.text(code)} is Python code, which the finite field cannot run, " \
+                  f"and {why}"
         exact, note = not (why or note), note or (f"float64: {why}" if why else "")
     return _drawn_report(sides, sizes, signature, masks, exact, seed, draws, note)
 

@@ -3,7 +3,7 @@ _field_check): its arithmetic, what it proves through exp, softmax, logsumexp, m
 division, what it refuses (saying why, the step then in float64), its bound, and the
 issue's must-show: wrong steps float64 accepts and the field rejects; every registered
 exact step accepted with no false rejection over many seeds (EINATTN_SEEDS, 1000 in the
-report, 20 by default)."""
+report, 10 by default)."""
 
 from __future__ import annotations
 
@@ -170,7 +170,9 @@ def test_masks_name_tensors_of_the_step():
 def test_a_mask_has_no_integer_form():
     report = check_equivalent("A[τ σ] = S[τ σ] M[τ σ]", lambda S, M: S * M, ROWS, exact=True,
                               masks=("M",))
-    assert report.mode == "float" and report.note == "float64: an additive mask (−∞) is no integer"
+    assert report.mode == "float"
+    assert report.note.endswith("<lambda> is Python code, which the finite field cannot run, "
+                                "and an additive mask (−∞) is no integer")
 
 
 # -- gradients: autograd in the field ------------------------------------------------------------
@@ -238,7 +240,7 @@ def test_a_wrong_step_float64_accepts_is_rejected_by_the_field(step):
     assert not field.equal and field.mode == "field" and field.false_acceptance < 1e-15
 
 
-SEEDS = int(os.environ.get("EINATTN_SEEDS", "20"))  # 1000 for the report: ~2 minutes
+SEEDS = int(os.environ.get("EINATTN_SEEDS", "10"))  # 1000 for the report: ~11 minutes
 
 
 def exact_steps():

@@ -334,8 +334,9 @@ def test_exact_mode_beside_a_function_falls_back_to_float64_for_a_scale_saying_w
     report = check_equivalent(f"{SCORES} / √a", function(f"{SCORES} / √a"), SCORES_SIZES,
                               exact=True)
     assert report.equal and report.mode == "float"
-    assert report.note == (f"float64: {SCORES} / √a divides by √a, which is irrational in "
-                           f"general")
+    assert report.note == (f"float64: function of {SCORES} / √a is Python code, which the "
+                           f"finite field cannot run, and {SCORES} / √a divides by √a, which is "
+                           f"irrational in general")
     assert str(report).endswith(f"\n  {report.note}")
 
 
