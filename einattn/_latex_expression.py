@@ -111,7 +111,7 @@ def read_expression(tex: str, size_names: Mapping[str, str] | None = None,
         raise r.error("no '=': this is an expression, not an equation Out_{…} = …",
                       r.peek().col)
     w = _Out()
-    reader = _Reader(r, w, dict(size_names or {}))
+    reader = _Reader(w, dict(size_names or {}))
     w.term(latex._term(r))
     token = r.take()
     if token.value != "=":
@@ -132,8 +132,8 @@ def read_expression(tex: str, size_names: Mapping[str, str] | None = None,
 class _Reader:
     """The grammar: a sum of products of factors, each writing its einattn text."""
 
-    def __init__(self, r: Reader, w: _Out, size_names: dict[str, str]):
-        self.top, self.w, self.size_names = r, w, size_names
+    def __init__(self, w: _Out, size_names: dict[str, str]):
+        self.w, self.size_names = w, size_names
 
     def sum(self, r: Reader) -> None:
         first = True

@@ -39,13 +39,14 @@ import torch
 
 from . import _field_check, _sides
 from ._field_check import FieldResult, mask_draw
-from ._gradient_check import Autograd, GradientSides, _bracketed, gradient_sides
+from ._gradient_check import Autograd, GradientSides, gradient_sides
+from ._gradient_check import _bracketed as _bracketed  # an index string, for tests
 from .chain import Chain
 from .errors import EinattnError
 from .notation import Equation
 
 Side = Equation | Chain | str | Callable[..., torch.Tensor]
-__all__ = ["Autograd", "Chain", "GradientSides", "Report", "_bracketed", "assert_equivalent",
+__all__ = ["Autograd", "Chain", "GradientSides", "Report", "assert_equivalent",
            "check_equivalent", "check_gradient", "gradient_sides"]
 
 _FLOAT_RTOL = 1e-12  # STYLE §5: float64 equality proofs at ≤1e-12 relative to scale
