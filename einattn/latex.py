@@ -32,9 +32,10 @@ back. Seed 003's scores, and the equation they are read as::
   even when repeated on the right. ``\sum_{j}`` may say so, if ``j`` is summed.
 * Alignment ``&``, ``\nonumber``, ``\notag`` and a closing ``\\`` are ignored.
 
-Anything else (a softmax, a sum of terms, a second ``=``, a number as an index, an unknown
-command, an unbalanced brace) is an :class:`~einattn.errors.EinattnError` with a caret under
-its place in the LaTeX.
+An equation that is more than one product (a softmax, a sum of terms, a quotient, a
+function) is read by :mod:`einattn._latex_expression`, with these rules for its tensors.
+Anything else (a second ``=``, a number as an index, an unknown command, an unbalanced
+brace) is an :class:`~einattn.errors.EinattnError` with a caret under its place in the LaTeX.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import NamedTuple
 
+from . import _delta
 from ._latex_reader import (
     FORM,
     LETTERS,
@@ -398,6 +400,7 @@ def _relocated(error: EinattnError, text: str, cols: list[int], shown: str) -> E
 def symbol(name: str) -> str:
     """An index or tensor name as LaTeX: ``τʹ`` as ``\\tau'``, ``A_tilde`` as
     ``\\tilde{A}``, others as :func:`einattn._syntax.latex_symbol` writes them."""
+    name = _delta.NAME if _delta.is_delta(name) else name  # an equation's δ:k is δ
     base = name.rstrip(PRIME)
     primes = "'" * (len(name) - len(base))
     head, _, accent = base.rpartition("_")
