@@ -70,8 +70,8 @@ def refuse_is_causal(is_causal) -> None:
     ``nn.MultiheadAttention``); einattn has one name for it, ``causal``."""
     if is_causal is not None:
         raise EinattnError(f"is_causal is PyTorch's name; einattn's is causal (got "
-                           f"is_causal={is_causal!r}): pass causal=True, which aligns the "
-                           f"causal mask bottom-right where L_q ≠ L_k")
+                           f"is_causal={is_causal!r}): pass causal={is_causal!r} (causal=True "
+                           f"aligns the causal mask bottom-right where L_q ≠ L_k)")
 
 
 def check_floating(name: str, t) -> None:
@@ -93,6 +93,11 @@ def check_factory(device, dtype) -> dict:
     except (RuntimeError, TypeError):
         raise EinattnError(f"device must be a torch.device, its name or its index ('cpu', "
                            f"'cuda:0', 0, ...), got {device!r}") from None
+    try:
+        if device is not None:
+            torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # a CPU build asked for CUDA asserts
+        raise EinattnError(f"device {device!r} is not available here ({error})") from None
     return {"device": device, "dtype": dtype}
 
 

@@ -5,6 +5,7 @@ the readers of single tokens (letters, upright words, primes) the grammar is bui
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import NamedTuple
 
 from ._syntax import _GREEK
@@ -33,11 +34,14 @@ class Reader:
     """The tokens of one LaTeX equation and a cursor; errors point into the LaTeX."""
 
     def __init__(self, tex: str, tokens: list[Token] | None = None, end: int = -1,
-                 labels: frozenset[str] = frozenset()):
+                 labels: frozenset[str] = frozenset(), scripted: Counter | None = None):
         self.shown = re.sub(r"\s", " ", tex)  # on one line, one column per character
         self.tokens = tokenize(self.shown) if tokens is None else tokens
         self.end = len(self.shown) if end < 0 else end  # the column of the end (or a "}")
-        self.labels = labels  # superscripts the user names as labels of a tensor's name
+        self.labels = frozenset(label.replace("'", PRIME) for label in labels)  # superscripts
+        # the user names as labels of a tensor's name; how often each token stands in a sub-
+        # or superscript of the whole equation (a letter in two is an index, not a label)
+        self.scripted = _scripted(self.tokens) if scripted is None else scripted
         self.k = 0
 
     def error(self, message: str, *cols: int) -> EinattnError:
@@ -65,7 +69,27 @@ class Reader:
         while depth:
             depth += {"{": 1, "}": -1}.get(self.take().value, 0)
         closing = self.tokens[self.k - 1]
-        return Reader(self.shown, self.tokens[start:self.k - 1], closing.col, self.labels)
+        return Reader(self.shown, self.tokens[start:self.k - 1], closing.col, self.labels,
+                      self.scripted)
+
+
+def _scripted(tokens: list[Token]) -> Counter:
+    """How often each token's value stands in a sub- or superscript (``_x``, ``^{…}``)."""
+    seen: Counter = Counter()
+    k = 0
+    while k < len(tokens) - 1:
+        k += 1
+        if tokens[k - 1].value not in ("_", "^"):
+            continue
+        if tokens[k].value != "{":
+            seen[tokens[k].value] += 1
+            continue
+        depth = 1
+        while depth and k + 1 < len(tokens):
+            k += 1
+            depth += {"{": 1, "}": -1}.get(tokens[k].value, 0)
+            seen[tokens[k].value] += depth > 0
+    return seen
 
 
 def tokenize(shown: str) -> list[Token]:

@@ -213,7 +213,7 @@ _GREEK = {
     "σ": r"\sigma", "τ": r"\tau", "υ": r"\upsilon", "φ": r"\phi", "χ": r"\chi",
     "ψ": r"\psi", "ω": r"\omega", "Γ": r"\Gamma", "Δ": r"\Delta", "Θ": r"\Theta",
     "Λ": r"\Lambda", "Ξ": r"\Xi", "Π": r"\Pi", "Σ": r"\Sigma", "Φ": r"\Phi",
-    "Ψ": r"\Psi", "Ω": r"\Omega",
+    "Ψ": r"\Psi", "Ω": r"\Omega", "ℓ": r"\ell",
 }
 _SPELLED = {command[1:]: command for command in _GREEK.values()}  # "phi" -> \phi
 

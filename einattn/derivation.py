@@ -9,31 +9,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from . import circuits, cross, functional, layouts, linear, reference, rotary
+from . import field_steps as _field
 from . import gradient_steps as _gradient
 from . import pattern_steps as _pattern
 from . import ring_steps as _ring
+from ._step import Step
 from .cache import KVCache
 from .notation import Equation
-
-
-@dataclass(frozen=True)
-class Step:
-    """``lhs`` equals ``rhs`` at ``sizes`` (exactly, for a multilinear step)."""
-
-    name: str
-    lhs: Any
-    rhs: Any
-    sizes: dict[str, int]
-    exact: bool
-    inputs: dict[str, str] = field(default_factory=dict)
-    draws: int = 3  # more where the degree is high, to keep the exact bound below 1e-8
 
 
 def default_sizes(n: int = 2, L: int = 5, d_model: int = 16, n_heads: int = 4,
@@ -400,6 +387,7 @@ def steps(sizes: dict[str, int] | None = None) -> list[Step]:
         *pattern_steps(s),
         *_numerical(_ring.steps(s)),
         *_gradient.steps(s),
+        *_field.steps(s),
     ]
 
 
@@ -422,7 +410,7 @@ def mutations(sizes: dict[str, int] | None = None) -> list[Step]:
     self_sizes = {**s, "σ": s["τ"]}
     return [
         Step("swapped indices τ ↔ σ in the scores", functional.SCORES,
-             "S[n μ τ σ] = Q[n μ σ a] K[n μ τ a] / √a", self_sizes, exact=False),
+             "S[n μ τ σ] = Q[n μ σ a] K[n μ τ a] / √a", self_sizes, exact=True),
         Step("missing 1/√a scale", _scores_without_scale, _scores_scaled, self_sizes,
              exact=False, inputs={"Q": "n μ τ a", "K": "n μ σ a"}),
         Step("wrong group order (B μ a) read as (μ B a)", functional.PROJECT,
@@ -438,6 +426,7 @@ def mutations(sizes: dict[str, int] | None = None) -> list[Step]:
         *pattern_mutations(s),
         *_numerical(_ring.mutations(s)),
         *_gradient.mutations(s),
+        *_field.mutations(s),
     ]
 
 

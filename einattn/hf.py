@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -86,6 +88,8 @@ def layer(module: nn.Module) -> MultiHeadAttention:
     einattn.errors.EinattnError: not a Hugging Face attention module (no config): Linear
     """
     config = getattr(module, "config", None)
+    if isinstance(module, nn.Module) and not _routes(type(module)):
+        raise _own_code(type(module).__name__, type(module).__module__)
     if not isinstance(module, nn.Module) or config is None:
         raise EinattnError(f"not a Hugging Face attention module (no config): "
                            f"{type(module).__name__}")
@@ -234,6 +238,12 @@ def register() -> None:
     for name, impl in IMPLEMENTATIONS.items():
         AttentionInterface.register(name, _FORWARDS[impl])
         AttentionMaskInterface.register(name, sdpa_mask)
+    if _output_collector() is None:
+        warnings.warn("this transformers keeps no record einattn can read of the outputs a "
+                      "forward gathers: a model that is asked for output_attentions in its "
+                      "call and does not hand the flag to its attention (GPT-2) gets no "
+                      "attention maps from einattn_sdpa, einattn_chunked or einattn_flex; "
+                      "set config.output_attentions, or use 'einattn'", stacklevel=2)
 
 
 def _forward(impl: str, module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -316,7 +326,9 @@ def check(model: nn.Module) -> str:
     the name is ignored, or refused at load. Which do is read as Hugging Face itself reads it
     (``PreTrainedModel._can_set_attn_implementation``: whether the modeling source's attention
     classes call the interface), for the model and every model inside it. docs/huggingface.md
-    lists the architectures checked both ways.
+    lists the architectures checked both ways. A model that routes through the interface but
+    hands its attention a term einattn's equations lack (T5's ``position_bias``) passes this
+    check and is refused, by name, at its first attention call.
     """
     if not isinstance(model, nn.Module):
         raise EinattnError(f"einattn.hf.check takes a Hugging Face model (an nn.Module), got "
@@ -324,18 +336,34 @@ def check(model: nn.Module) -> str:
     for module in model.modules():
         routes = getattr(type(module), "_can_set_attn_implementation", None)
         if routes is not None and not routes():
-            raise EinattnError(
-                f"{_describe(module)} computes attention in its own code, not through Hugging "
-                f"Face's attention interface ({type(module).__module__} never calls "
-                f"ALL_ATTENTION_FUNCTIONS.get_interface): einattn cannot run in this model, "
-                f"and attn_implementation='einattn' is ignored there or refused when it loads "
-                f"(docs/huggingface.md lists the architectures checked)")
+            raise _own_code(_describe(module), type(module).__module__)
     name = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if name not in IMPLEMENTATIONS:
         raise EinattnError(f"{type(model).__name__} is not loaded with an einattn attention "
                            f"implementation ({', '.join(IMPLEMENTATIONS)}; call "
                            f"einattn.hf.register() first), got attn_implementation={name!r}")
     return name
+
+
+def _routes(cls: type) -> bool:
+    """Whether the modeling module of ``cls`` (a model's or an attention module's class)
+    calls Hugging Face's attention interface, as its models declare it; True where nothing
+    is declared (not a module of ``transformers.models``)."""
+    source = sys.modules.get(cls.__module__)
+    if not cls.__module__.startswith("transformers.models.") or source is None:
+        return True
+    from transformers import PreTrainedModel
+    models = [c for c in vars(source).values() if isinstance(c, type)
+              and issubclass(c, PreTrainedModel) and c.__module__ == cls.__module__]
+    return all(model._can_set_attn_implementation() for model in models)
+
+
+def _own_code(who: str, where: str) -> EinattnError:
+    return EinattnError(
+        f"{who} computes attention in its own code, not through Hugging Face's attention "
+        f"interface ({where} never calls ALL_ATTENTION_FUNCTIONS.get_interface): einattn "
+        f"cannot run in this model, and attn_implementation='einattn' is ignored there or "
+        f"refused when it loads (docs/huggingface.md lists the architectures checked)")
 
 
 @contextlib.contextmanager

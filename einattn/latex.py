@@ -32,9 +32,10 @@ back. Seed 003's scores, and the equation they are read as::
   even when repeated on the right. ``\sum_{j}`` may say so, if ``j`` is summed.
 * Alignment ``&``, ``\nonumber``, ``\notag`` and a closing ``\\`` are ignored.
 
-Anything else (a softmax, a sum of terms, a second ``=``, a number as an index, an unknown
-command, an unbalanced brace) is an :class:`~einattn.errors.EinattnError` with a caret under
-its place in the LaTeX.
+An equation that is more than one product (a softmax, a sum of terms, a quotient, a
+function) is read by :mod:`einattn._latex_expression`, with these rules for its tensors.
+Anything else (a second ``=``, a number as an index, an unknown command, an unbalanced
+brace) is an :class:`~einattn.errors.EinattnError` with a caret under its place in the LaTeX.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import NamedTuple
 
+from . import _delta
 from ._latex_reader import (
     FORM,
     LETTERS,
@@ -218,13 +220,19 @@ def _label(r: Reader, name: str) -> str | None:
     if len(inner) == 1 and inner[0].value in WORDS and r.peek().value == "{":
         inner += r.braced("").tokens  # ^\text{pos}, unbraced
     values = [LETTERS.get(t.value, t.value) for t in inner if t.value not in ("{", "}")]
-    text = "".join(values)
-    if text not in r.labels and values in (["T"], [r"\top"], [r"\intercal"]):
+    text = "".join(values).replace("'", PRIME)
+    if text in r.labels:
+        return text
+    if values and values[0] != "(" and values[0] not in WORDS and any(
+            r.scripted[t.value] > 1 for t in inner if t.value.isalpha()):
+        r.k = start  # a letter that stands in another script too is an index, not a label:
+        return None  # Y^{M} = Λ^{M}_{\ N} X^{N}, A_{τ T} B^{T}
+    if values in (["T"], [r"\top"], [r"\intercal"]):
         named = (f"; if T is part of the name {name}_T, write {name}^{{(T)}} or pass "
                  "labels={'T'}") if text == "T" else ""
         raise r.error(f"{name}^{text} is a transpose, which index notation writes by the order "
                       f"of the indices ((A^T)_{{ij}} is A_{{ji}}){named}", inner[0].col)
-    label = text if text in r.labels else _label_of(values)
+    label = _label_of(values)
     if label is None:
         r.k = start
     return label
@@ -235,8 +243,9 @@ def _label_of(values: list[str]) -> str | None:
     number or an upright word (``(O)``, ``(l)``, ``(12)``); each token's value given."""
     if values[:1] == ["("] and values[-1:] == [")"]:
         inner = values[1:-1]
-        one = (len(inner) == 1 and inner[0].isalnum()) or all(map(str.isdigit, inner))
-        return "".join(inner) if one and inner else _upright(inner)
+        one = (len(inner) >= 1 and inner[0].isalnum() and all(v == "'" for v in inner[1:])) \
+            or all(map(str.isdigit, inner))
+        return "".join(inner).replace("'", PRIME) if one and inner else _upright(inner)
     text = "".join(values)
     if text.isascii() and text.isalnum() and text[0].isupper() and text.isupper():
         return text
@@ -391,6 +400,7 @@ def _relocated(error: EinattnError, text: str, cols: list[int], shown: str) -> E
 def symbol(name: str) -> str:
     """An index or tensor name as LaTeX: ``τʹ`` as ``\\tau'``, ``A_tilde`` as
     ``\\tilde{A}``, others as :func:`einattn._syntax.latex_symbol` writes them."""
+    name = _delta.NAME if _delta.is_delta(name) else name  # an equation's δ:k is δ
     base = name.rstrip(PRIME)
     primes = "'" * (len(name) - len(base))
     head, _, accent = base.rpartition("_")

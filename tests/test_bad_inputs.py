@@ -487,6 +487,8 @@ NOT_THE_BACKEND = {
                              r"'cuda:0', 0, ...\), got 'gpu'"),
     "layer-device-list": (lambda: MultiHeadAttention(D, H, device=[0]),
                           r"device must be .*got \[0\]"),
+    "layer-device-absent": (lambda: MultiHeadAttention(D, H, device="cuda:99"),  # a CPU build's
+                            r"device 'cuda:99' is not available here \("),  # AssertionError
     "from_fused-long": (lambda: MultiHeadAttention.from_fused(torch.ones(90, D, dtype=torch.long),
                                                               torch.ones(H, 6, D,
                                                                          dtype=torch.long)),

@@ -312,8 +312,8 @@ def test_kv_heads_trace_the_grouped_equations(capsys, cross):
 
 
 @pytest.mark.parametrize("step", [
-    Step("scores in exact mode", functional.SCORES, functional.SCORES,
-         derivation.default_sizes(), exact=True),
+    Step("scores with a size missing", functional.SCORES, functional.SCORES, {"n": 2},
+         exact=True),
     Step("an output index on no operand", "Y[τ j] = X[τ i]", "Y[τ j] = X[τ i]",
          {"τ": 3, "i": 4, "j": 5}, exact=True),
 ], ids=["one-line message", "message with equation and caret"])
@@ -376,7 +376,7 @@ def test_verify_json_has_every_step_with_the_documented_keys(capsys):
     assert [s["name"] for s in doc["steps"]] == [s.name for s in derivation.steps()]
     for step in doc["steps"]:
         assert STEP_KEYS <= step.keys() and step["equal"] is True
-        if step["mode"] == "exact":
+        if step["mode"] in ("exact", "field"):
             assert step["max_deviation"] == 0 and 0 < step["false_acceptance"] < 1e-6
         else:
             assert step["max_deviation"] <= step["tolerance"] <= 1e-10
@@ -387,9 +387,8 @@ def test_verify_exact_skips_the_float_steps(capsys):
     code, out, _ = run(capsys, "verify", "--exact", *SMALL)
     assert code == 0
     for step in derivation.steps():
-        verdict = "PASS exact" if step.exact else "SKIP float"
-        assert re.search(rf"^{verdict.replace(' ', ' +')} .* {re.escape(step.name)}$", out,
-                         flags=re.M), step.name
+        verdict = "PASS +(exact|field)" if step.exact else "SKIP +float"
+        assert re.search(rf"^{verdict} .* {re.escape(step.name)}$", out, flags=re.M), step.name
     exact = sum(s.exact for s in derivation.steps())
     assert f"{exact} PASS, {len(derivation.steps()) - exact} SKIP" in out
 
@@ -594,7 +593,7 @@ def test_docs_output_differs_when_the_docs_say_something_else(capsys):
     edits = [("PASS     float", "FAIL     float"), ("PASS     exact", "FAIL     exact"),
              ("exact                0", "exact                1"), ("4.5e-11", "4.6e-11"),
              ("≤ 1.8e-09", "≤ 1.9e-09"), ("whole layer = reshape form", "whole layer"),
-             ("Y (2, 5, 16)", "Y (2, 5, 17)"), ("15,360", "15,361"), ("35 PASS", "34 PASS"),
+             ("Y (2, 5, 16)", "Y (2, 5, 17)"), ("15,360", "15,361"), ("45 PASS", "44 PASS"),
              ("seeded float64 input", "seeded input")]
     for old, new in edits:
         assert old in shown, old
@@ -610,3 +609,24 @@ def test_docs_option_table_lists_every_option(capsys):
     helps = [run(capsys, name, "--help")[1] for name in cli.COMMANDS]
     actual = {option for text in helps for option in re.findall(r"--[\w-]+", text)}
     assert documented == actual - {"--help"}
+
+
+# -- einattn verify --derive: the gradients of (1)-(5), each proved in the finite field --------
+
+def test_verify_derive_lists_each_gradient_of_1_to_5_proved_in_the_field(capsys):
+    code, doc = run_json(capsys, "verify", "--derive", *SMALL)
+    assert code == 0 and doc["passed"] is True
+    assert [(g["equation"], g["wrt"]) for g in doc["gradients"]] == [
+        ("(1)", "X"), ("(1)", "W"), ("(2)", "Q"), ("(2)", "K"), ("(3)", "S"), ("(3)", "M"),
+        ("(4)", "A"), ("(4)", "V"), ("(5)", "Z"), ("(5)", "W_O")]
+    for g in doc["gradients"]:
+        assert (g["mode"], g["verdict"], g["equal"]) == ("field", "PASS", True)
+        assert g["false_acceptance"] < 1e-12 and Equation(g["gradient"]).latex() == g["latex"]
+
+
+def test_verify_derive_takes_no_file(capsys, tmp_path):
+    path = tmp_path / "d.md"
+    path.write_text("```derivation\nY[τ] = X[τ i] v[i]\n= v[i] X[τ i]\n```\n", encoding="utf-8")
+    code, out, err = run(capsys, "verify", "--derive", str(path))
+    assert_usage_error(code, out, err, "einattn: error: --derive derives the gradients of "
+                       "equations (1)-(5); it takes no FILE.md")

@@ -51,7 +51,7 @@ SHOWN = [(tag, "functional", c, f) for tag, c, f in STAGES] + VARIATIONS
 # The only display equations allowed without an Equation behind them: name -> (tag, LaTeX).
 HAND_WRITTEN = {
     "fusion rule": (None, r"(a\, i) = a \cdot p + i"),
-    # (2) with another scale s: run by handing (2)–(4) Q · s√a (functional.check_scale)
+    # (2) with another scale s: run by handing (2)–(4) Q · s√a (_checks.check_scale)
     "scaled scores": (None, r"S_{n \mu \tau \sigma} = s \, Q_{n \mu \tau a} K_{n \mu \sigma a}"),
     "causal mask": (None, r"M_{\tau \sigma} = \begin{cases} 0 & \text{if } \sigma \le \tau"
                           r" + L_k - L_q \\ -\infty & \text{otherwise} \end{cases}"),

@@ -1,7 +1,8 @@
 """Every ``raise`` of the Equation engine, with the message a user would read.
 
-Each raise site in einattn/notation.py, einattn/_syntax.py and einattn/_lowering.py has a
-case in ``SITES`` (the expression language's are in tests/test_expression.py),
+Each raise site in einattn/notation.py, _contraction.py, _sizes.py, _delta.py, _syntax.py
+and _lowering.py has a case in ``SITES`` (the expression language's are in
+tests/test_expression.py),
 keyed by its message template (``{}`` for each interpolated value);
 ``test_every_raise_site_has_a_case`` reads the source and fails when a new raise site has
 no case here. A case checks the
@@ -235,6 +236,14 @@ SITES = [
     Site("{} is both the output and an operand", "output_is_an_operand",
          lambda: Equation("S[τ] = S[τ a] K[a]"),
          r"^S is both the output and an operand\n", "S[τ] = S[τ a] K[a]", (0,)),
+    # -- _delta.py and _sizes.py: the Kronecker delta, made from the sizes -------------------
+    Site("δ takes single indices, no group", "grouped_delta",
+         lambda: Equation("Y[(τ σ)] = X[τ σ] δ[(τ σ)]"),
+         r"^δ takes single indices, no group\n", "Y[(τ σ)] = X[τ σ] δ[(τ σ)]", (18,)),
+    Site("index {} is on δ alone: give its size as a keyword, {}=...", "delta_alone",
+         _calls("dX[τ σ] = dY[τ] δ[σ]", dY=q(3)),
+         r"^index 'σ' is on δ alone: give its size as a keyword, σ=\.\.\.\n",
+         "dX[τ σ] = dY[τ] δ[σ]", (18,)),
 ]
 
 
@@ -267,7 +276,8 @@ def _raise_sites(path: Path) -> set[str]:
 def test_every_raise_site_has_a_case():
     package = Path(einattn.__file__).parent
     sites = set().union(*(_raise_sites(package / name)
-                          for name in ("notation.py", "_syntax.py", "_lowering.py")))
+                          for name in ("notation.py", "_contraction.py", "_sizes.py",
+                                       "_delta.py", "_syntax.py", "_lowering.py")))
     assert len(sites) >= 20
     assert sites == {s.key for s in SITES}
 

@@ -286,6 +286,20 @@ def test_softmax_of_integer_logits_is_an_error_naming_the_tensor(text):
     assert carets(str(caught.value)) == [text.index("S[")]
 
 
+@pytest.mark.parametrize("L", [σ, 0])
+def test_max_of_complex_numbers_is_an_error_naming_the_tensor(L):
+    """Complex numbers have no order (torch's max said NotImplementedError, and iinfo a
+    TypeError over an empty σ); integers and bools still take a max."""
+    text = "Y[τ] = max_σ(S[τ σ])"
+    with pytest.raises(EinattnError, match=r"^S is torch.complex128: max_σ takes real "
+                                           r"numbers") as caught:
+        Equation(text)(S=torch.ones(τ, L, dtype=torch.complex128))
+    assert carets(str(caught.value)) == [text.index("S[")]
+    assert torch.equal(Equation(text)(S=torch.arange(τ * L).view(τ, L)),
+                       torch.arange(τ * L).view(τ, L).amax(-1) if L else
+                       torch.full((τ,), torch.iinfo(torch.int64).min))
+
+
 def test_explain_of_a_longer_sum_under_a_softmax_shows_it_whole():
     text = str(Equation("A[τ σ] = softmax_σ(S[τ σ] + B[τ σ] + M[τ σ])").explain(
         S=(τ, σ), B=(τ, σ), M=(τ, σ)))
@@ -356,16 +370,17 @@ def test_explain_says_what_runs():
     assert "FLOPs" in str(ex)
 
 
-def test_verify_compares_an_expression_in_float_mode_only():
+def test_verify_compares_tanh_in_float64_and_the_softmax_in_the_field():
     from einattn.verify import check_equivalent
     report = check_equivalent("C[τ σ] = c · tanh(S[τ σ] / c)",
-                              "C[τ σ] = tanh(S[τ σ] / c) · c", {"τ": τ, "σ": σ})
+                              "C[τ σ] = tanh(S[τ σ] / c) · c", {"τ": τ, "σ": σ}, exact=True)
     assert report.equal and report.mode == "float"
+    assert report.note == "float64: tanh has no finite-field form"
     wrong = check_equivalent("C[τ σ] = c · tanh(S[τ σ] / c)", "C[τ σ] = tanh(S[τ σ] / c)",
                              {"τ": τ, "σ": σ})
     assert not wrong.equal
-    with pytest.raises(EinattnError, match="is no contraction"):
-        check_equivalent(SOFTMAX, SOFTMAX, {"n": n, "μ": μ, "τ": τ, "σ": σ}, exact=True)
+    softmax = check_equivalent(SOFTMAX, SOFTMAX, {"n": n, "μ": μ, "τ": τ, "σ": σ}, exact=True)
+    assert softmax.equal and softmax.mode == "field"
 
 
 def test_a_pure_contraction_stays_a_plain_equation():
@@ -465,10 +480,11 @@ def test_a_product_that_fails_to_parse_keeps_its_own_message():
 
 def test_every_raise_site_of_the_expression_language_has_a_case():
     package = Path(einattn.__file__).parent
-    sites = _raise_sites(package / "_expression.py") | _raise_sites(package / "_expression_run.py")
+    sites = set().union(*(_raise_sites(package / f"{name}.py") for name in (
+        "_expression", "_expression_compile", "_expression_run")))
     tested = {key for key, *_ in ERRORS} | {"missing scalar {}: give it as a number, {}=2.0",
                                              "scalar {} must be a number or a 0-d tensor, got {}",
-                                             "{} is {}: {} takes floating-point logits"}
+                                             "{} is {}: {} takes {}"}
     assert sites == tested
 
 

@@ -782,7 +782,7 @@ def test_einattn_state_dicts_load_strict_and_not():
 
 
 IS_CAUSAL = r"is_causal is PyTorch's name; einattn's is causal \(got is_causal=True\): pass " \
-            r"causal=True, which aligns the causal mask bottom-right where L_q ≠ L_k"
+            r"causal=True \(causal=True aligns the causal mask bottom-right where L_q ≠ L_k\)"
 
 
 @pytest.mark.parametrize("call", [

@@ -139,7 +139,14 @@ def causal_option(parser: argparse.ArgumentParser) -> None:
 
 def exact_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true",
-                        help="only the multilinear steps, in exact (integer) mode; skip the rest")
+                        help="only the steps an exact mode checks (finite field or integers); "
+                        "skip those only float64 can")
+
+
+def derive_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--derive", action="store_true",
+                        help="show the gradients Equation.grad derives for equations (1)-(5), "
+                        "each checked against autograd exactly (in the finite field)")
 
 
 def file_argument(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,9 @@
 """``einattn verify``: every step of :mod:`einattn.derivation` checked by
-:func:`einattn.verify.check_equivalent`, and the order opt_einsum contracts the scores in;
-``einattn verify FILE.md``: the derivation blocks of a markdown file
-(:mod:`einattn.derivation_files`), a verdict per line."""
+:func:`einattn.verify.check_equivalent`, each in the mode that proved it (``field``: exactly,
+in a finite field; ``exact``: with integers; ``float``: in float64), and the order
+opt_einsum contracts the scores in; ``einattn verify FILE.md``: the derivation blocks of a
+markdown file (:mod:`einattn.derivation_files`), a verdict per line; ``einattn verify
+--derive``: the gradients of equations (1)–(5) (:mod:`einattn.cli.derive`)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ from dataclasses import dataclass
 
 from .. import derivation, derivation_files, verify
 from ..notation import Equation, Explanation
+from .derive import derive_output
 from .options import (
     VERIFY_TENSORS,
     Command,
     UsageError,
     checked_sizes,
+    derive_option,
     exact_option,
     file_argument,
     size_options,
@@ -56,10 +60,10 @@ def check_step(step: derivation.Step, *, exact_only: bool = False) -> StepResult
     """Check ``step`` in its registered mode; with ``exact_only``, skip a float-only step."""
     mode = "exact" if step.exact else "float"
     if exact_only and not step.exact:
-        return StepResult(step.name, mode, where="skipped: not multilinear, float mode only")
+        return StepResult(step.name, "float", where="skipped: float64 only")
     try:
         r = verify.check_equivalent(step.lhs, step.rhs, step.sizes, exact=step.exact,
-                                    inputs=step.inputs, draws=step.draws)
+                                    inputs=step.inputs, draws=step.draws, masks=step.masks)
     except AssertionError as mismatch:  # the two sides have different shapes
         return StepResult(step.name, mode, math.inf, 0.0, False, where=str(mismatch))
     return StepResult(step.name, r.mode, r.max_deviation, r.tolerance, r.equal,
@@ -72,8 +76,15 @@ def _number(x: float | None) -> str:
     return "0" if x == 0 else f"{x:.1e}"
 
 
+def _deviation(r: StepResult) -> str:
+    """A float's largest deviation; in the field, how many entries differ (0 or ``n ≠``)."""
+    if r.mode == "field" and r.max_deviation:
+        return f"{r.max_deviation:.0f} ≠"
+    return _number(r.max_deviation)
+
+
 def step_lines(results: list[StepResult], paint: Paint) -> list[str]:
-    rows = [[r.verdict, r.mode, _number(r.max_deviation), _number(r.tolerance),
+    rows = [[r.verdict, r.mode, _deviation(r), _number(r.tolerance),
              "—" if r.false_acceptance is None else f"≤ {r.false_acceptance:.1e}", r.name]
             for r in results]
     header = ["verdict", "mode", "max |lhs − rhs|", "tolerance", "false acceptance", "step"]
@@ -81,6 +92,10 @@ def step_lines(results: list[StepResult], paint: Paint) -> list[str]:
     summary = f"{len(results)} steps: " + ", ".join(
         paint(f"{k} {verdict}", verdict) for verdict, k in count.items() if k)
     return [*table(header, rows, paint, right=(2, 3)), summary]
+
+
+_MODES = ("each step in the strongest mode it allows: field (exact, in a finite field), "
+          "exact (integers), float (float64)")
 
 
 # -- the contraction order ------------------------------------------------------------------
@@ -135,7 +150,8 @@ def contractions(steps: list[derivation.Step]) -> list[Contraction]:
     for step in steps:
         for side in (step.lhs, step.rhs):
             equation = Equation(side) if isinstance(side, str) else side
-            if isinstance(equation, Equation) and len(equation.terms) > 2:
+            if isinstance(equation, Equation) and equation.is_contraction \
+                    and len(equation.terms) > 2:
                 found.append(contraction(step.name, equation, step.sizes))
     return found
 
@@ -159,8 +175,7 @@ def verify_output(sizes: dict[str, int], *, exact_only: bool, paint: Paint) -> O
     results = [check_step(step, exact_only=exact_only) for step in steps]
     orders = contractions(steps)
     failed = any(r.verdict == "FAIL" for r in results)
-    mode = ("exact mode only (integer inputs; float-only steps skipped)" if exact_only else
-            "exact steps with integer inputs, the others in float64")
+    mode = ("exact modes only (float-only steps skipped)" if exact_only else _MODES)
     head = f"derivation steps at {sizes_text(sizes)}: {mode}"
     lines = [head, "", *step_lines(results, paint)]
     for c in orders:
@@ -206,7 +221,7 @@ def file_lines(blocks: list[Found], results: list[list[StepResult]], paint: Pain
     the count."""
     checked = [(block, rs) for block, rs in zip(blocks, results, strict=True)
                if isinstance(block, derivation_files.Block)]
-    rows = [[r.verdict, r.mode, _number(r.max_deviation), _number(r.tolerance),
+    rows = [[r.verdict, r.mode, _deviation(r), _number(r.tolerance),
              "—" if r.false_acceptance is None else f"≤ {r.false_acceptance:.1e}",
              str(c.line.number), c.line.text]
             for block, rs in checked for c, r in zip(block.steps, rs, strict=True)]
@@ -241,6 +256,8 @@ def _count(results: list[StepResult], refused: int, paint: Paint) -> str:
 def _differs(r: StepResult) -> str:
     if r.max_deviation is None:
         return r.where
+    if r.mode == "field":
+        return f"{r.max_deviation:.0f} entries differ in the finite field, the first at {r.where}"
     return f"max |lhs − rhs| = {r.max_deviation:.3e} at {r.where}"
 
 
@@ -257,8 +274,8 @@ def file_output(path: str, *, exact_only: bool, paint: Paint) -> Output:
                if isinstance(b, derivation_files.Block) else [] for b in blocks]
     errors = tuple(one_line(b.error) for b in blocks if isinstance(b, derivation_files.Refused))
     failed = any(r.verdict == "FAIL" for rs in results for r in rs)
-    mode = ("exact mode only (float-only steps skipped)" if exact_only else
-            "exact steps with integer inputs, the others in float64")
+    mode = ("the finite field only (float-only lines skipped)" if exact_only else
+            "each exactly in a finite field where it can be, else in float64")
     head = (f"{path}: {len(blocks)} derivation block{'s' * (len(blocks) != 1)}, each '=' "
             f"line against its block's first right-hand side; {mode}")
     document = {"file": str(path), "exact_only": exact_only,
@@ -287,11 +304,17 @@ def _block_json(block: Found, results: list[StepResult]) -> dict:
 
 def verify_command(args: argparse.Namespace, paint: Paint) -> Output:
     if args.file is not None:
+        if args.derive:
+            raise UsageError("--derive derives the gradients of equations (1)-(5); it takes "
+                             "no FILE.md")
         return file_output(args.file, exact_only=args.exact, paint=paint)
-    return verify_output(checked_sizes(args, "verify", VERIFY_TENSORS), exact_only=args.exact,
-                         paint=paint)
+    sizes = checked_sizes(args, "verify", VERIFY_TENSORS)
+    if args.derive:
+        return derive_output(sizes, paint=paint)
+    return verify_output(sizes, exact_only=args.exact, paint=paint)
 
 
 COMMAND = Command(verify_command, "check every derivation step (exit 1 if one fails) and "
                   "show the scores' contraction order; with FILE.md, check the derivation "
-                  "blocks of that file instead", (size_options, exact_option, file_argument))
+                  "blocks of that file instead; with --derive, derive the gradients of "
+                  "equations (1)-(5)", (size_options, exact_option, derive_option, file_argument))
