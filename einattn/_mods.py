@@ -51,7 +51,8 @@ class _Function:
 class MaskMod(_Function, MaskPiece):
     """A piece of the mask ``M`` from FlexAttention's ``mask_mod``:
     ``fn(b, h, q_idx, kv_idx) -> bool tensor``, True = may attend (a user's existing mask_mod
-    ports unchanged), in torch operations on index tensors that broadcast."""
+    ports unchanged), in torch operations on index tensors that broadcast. Its tile
+    judgement is kept per function and sizes: what it captures must not change in place."""
 
     FORM = "mask_mod(b, h, q_idx, kv_idx) -> bool tensor"
     LATEX_FORM = (r"M_{n\mu\tau\sigma} = \begin{cases} 0 & \operatorname{NAME}(n, \mu, "
