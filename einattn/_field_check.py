@@ -68,10 +68,7 @@ def compare(sides: list, sizes: dict[str, int], signature: dict, masks, seed: in
             return chosen
         a, b, degree = chosen
         bound *= min(1.0, degree / F.q)
-        if a.shape != b.shape:
-            raise AssertionError(f"the sides have different shapes: {tuple(a.shape)} from "
-                                 f"{_sides.text(sides[0])} but {tuple(b.shape)} from "
-                                 f"{_sides.text(sides[1])}")
+        _sides.same_shapes(a, b, sides)
         differ = (a != b).reshape(-1)
         count = int(differ.sum())
         if worst is None or count > worst[0]:
