@@ -128,4 +128,5 @@ def test_measure_roof_names_its_figures_and_puts_the_threads_back():
     assert roof.gflops[1] > 0 and roof.bandwidth[1] > 0
     data = roof.as_json()
     assert set(data) == {"method", "all_threads", "peak_matmul_GFLOP/s", "peak_bandwidth_GB/s"}
-    assert "N = 1024" in data["method"] and "64 MiB" in data["method"]
+    assert "N = 512" in data["method"] and "vector of 64 MiB" in data["method"]
+    assert "by the wall clock" in data["method"]

@@ -126,7 +126,7 @@ def run(settings: Settings, progress: Callable[[str], None] | None = None) -> Re
     try:
         say("measuring the roof: a float32 matmul and a read of memory")
         roof = measure_roof((1, report.threads, threads), quick=settings.quick,
-                            all_threads=threads)
+                            clock=settings.clock, all_threads=threads)
         for size in settings.sizes:
             say(f"timing {size.label}")
             report.rows += time_size(size, settings, report.skipped)
