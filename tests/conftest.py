@@ -35,6 +35,7 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 # Test modules that stay on the CPU under --device, and why.
 CPU_ONLY = {
     "test_bench": "the benchmark times and measures memory on the CPU",
+    "test_bench_peak": "the benchmark measures the CPU's matmul rate and memory bandwidth",
     "test_browser": "opens the built site in Chromium",
     "test_cli": "runs the command line in subprocesses on the CPU",
     "test_derivation_files": "runs `einattn verify` in subprocesses and compares its output",

@@ -174,22 +174,25 @@ def run_decoding(settings: Settings, say: Callable[[str], None]) -> DecodingSect
     return section
 
 
-def decoding_lines(section: DecodingSection, table, paint, duration, times, percent) \
+def decoding_lines(section: DecodingSection, table, paint, duration, times, percent, rate) \
         -> list[str]:
     """The section as text: per context, each form's time per token, spread, ratios, cache
-    memory and max |ΔY| (``duration``, ``times``, ``percent`` format the cells)."""
+    memory, bandwidth and its fraction of peak, and max |ΔY| (``duration``, ``times``,
+    ``percent``, ``rate`` format the cells)."""
     out = ["", "decoding: a prefill of `context` tokens, then one token at a time under no_grad "
                f"(the cache cropped back every {SLACK} tokens); time per token, ratios of "
-               "medians, the bytes of the K, V cache"]
+               "medians, the bytes of the K, V cache, the cache read per token and its "
+               "fraction of the peak bandwidth"]
     for row in section.rows:
         cells = [[DECODING_NAMES[name], duration(t.median), percent(t.spread),
                   times(row.ratio(name, "hand_cat")), times(row.ratio(name, "hand_prealloc")),
                   times(row.ratio(name, "sdpa")), f"{row.cache_bytes[name] / 2**20:,.1f} MiB",
+                  *rate(row, name),
                   f"{row.deviation[name]:.0e}" if row.deviation[name] else "0"]
                  for name, t in row.timings.items()]
         out += ["", f"{row.size.label}  n={row.size.n} i={row.size.d_model} "
                     f"μ={row.size.heads} τ=1 σ≈{row.size.context}",
                 *table(["form", "per token", "spread", "× torch.cat", "× preallocated",
-                        "× einattn sdpa", "cache", "max |ΔY|"], cells, paint,
-                       right=(1, 2, 3, 4, 5, 6, 7))]
+                        "× einattn sdpa", "cache", "GB/s read", "of bandwidth", "max |ΔY|"],
+                       cells, paint, right=(1, 2, 3, 4, 5, 6, 7, 8, 9))]
     return out

@@ -25,15 +25,17 @@ from .patterns import (
     run_patterns,
     why_no_memory,
 )
+from .roof import Roof, measure_roof
 from .settings import CLOCK_NAMES, MEMORY, PatternSize, Settings, Size
 from .timing import Row, time_size
 from .verdicts import VERDICTS, targets
+from .work import FLOP_METHOD, rate_cells, rates
 
 
 @dataclass
 class Report:
     """Every row a run timed, compiled and measured, with the forms it skipped and why; the
-    patterns section's in ``patterns``."""
+    patterns section's in ``patterns``; the machine's roof the rows are rated against."""
 
     settings: Settings
     rows: list[Row] = field(default_factory=list)
@@ -44,6 +46,7 @@ class Report:
     decoding: DecodingSection = field(default_factory=DecodingSection)
     threads: int = field(default_factory=torch.get_num_threads)
     seconds: float = 0.0
+    roof: Roof | None = None
 
     def machine(self) -> dict:
         return {"torch": torch.__version__, "einattn": _checkout(),
@@ -74,9 +77,24 @@ class Report:
                        if self.memory else {"skipped": s.why_no_memory or "no lengths"}),
             "patterns": self.patterns.as_json(s),
             "decoding": self.decoding.as_json(s),
+            "peak": self._peak_json(),
             "targets": [t.as_json() for t in targets(self)],
             "seconds": self.seconds,
         }
+
+
+    def _peak_json(self) -> dict:
+        """The roof measured, the thread count the rows are rated at and how they are."""
+        if self.roof is None:
+            return {"skipped": "no roof was measured"}
+        return {**self.roof.as_json(), "threads": self.threads, "work": FLOP_METHOD}
+
+    def rate(self, roof: Roof) -> None:
+        """Rate every row of the layer, patterns and decoding sections against ``roof`` at
+        this run's thread count (each row's ``peak``)."""
+        self.roof = roof
+        for row in (*self.rows, *self.patterns.rows, *self.decoding.rows):
+            row.peak = rates(row, roof, self.threads)
 
 
 def _checkout() -> str:
@@ -106,6 +124,9 @@ def run(settings: Settings, progress: Callable[[str], None] | None = None) -> Re
     torch.set_num_threads(settings.threads or threads)
     report = Report(settings, skipped=unavailable())
     try:
+        say("measuring the roof: a float32 matmul and a read of memory")
+        roof = measure_roof((1, report.threads, threads), quick=settings.quick,
+                            clock=settings.clock, all_threads=threads)
         for size in settings.sizes:
             say(f"timing {size.label}")
             report.rows += time_size(size, settings, report.skipped)
@@ -119,6 +140,7 @@ def run(settings: Settings, progress: Callable[[str], None] | None = None) -> Re
             report.patterns = run_patterns(settings, say)
         if "decoding" in settings.sections:
             report.decoding = run_decoding(settings, say)
+        report.rate(roof)
     finally:
         torch.set_num_threads(threads)
     report.seconds = time.perf_counter() - start
@@ -170,17 +192,30 @@ def _header(report: Report) -> list[str]:
             *(f"skipped: {NAMES[name]}: {why}" for name, why in report.skipped.items())]
 
 
+def _roof_lines(report: Report) -> list[str]:
+    """The roof the rows are rated against, or why there is none."""
+    roof = report.roof
+    if roof is None:
+        return ["peak: no roof was measured"]
+    def each(figures: dict[int, float], unit: str) -> str:
+        return ", ".join(f"{x:.3g} {unit} on {_count(t, 'thread')}" for t, x in figures.items())
+    return [f"peak: matmul {each(roof.gflops, 'GFLOP/s')}; bandwidth "
+            f"{each(roof.bandwidth, 'GB/s')}; rows rated at {_count(report.threads, 'thread')}, "
+            f"by FLOP (layer, patterns) or by bytes read (decoding)",
+            f"  how: {roof.method}"]
+
+
 def _timing_table(report: Report, size: Size, table, paint) -> list[str]:
     """One size: every form in both modes, its median, spread, ratios and max |ΔY|."""
     title = (f"{size.label}  n={size.n} τ=σ={size.L} i={size.d_model} "
              f"μ={size.heads} a={size.d_head}" + (", causal" if size.causal else ""))
     cells = [[r.mode, NAMES[name], _duration(t.median), _percent(t.spread),
               _times(r.ratio(name, "textbook")), _times(r.ratio(name, "linear_sdpa")),
-              _deviation_text(r.deviation[name])]
+              *rate_cells(r, name), _deviation_text(r.deviation[name])]
              for r in report.rows if r.size == size for name, t in r.timings.items()]
     return ["", title, *table(["mode", "form", "median", "spread", "× textbook",
-                               "× Linear+SDPA", "max |ΔY|"], cells, paint,
-                              right=(2, 3, 4, 5, 6))]
+                               "× Linear+SDPA", "GFLOP/s", "of peak", "max |ΔY|"], cells,
+                              paint, right=(2, 3, 4, 5, 6, 7, 8))]
 
 
 def _compile_table(report: Report, table, paint) -> list[str]:
@@ -227,12 +262,12 @@ def _pattern_table(report: Report, size: PatternSize, table, paint) -> list[str]
     section = report.patterns
     cells = [[r.mode, PATTERN_NAMES[name], _duration(t.median), _percent(t.spread),
               _times(r.ratio(name, "sdpa_dense")), _times(r.ratio(name, "flex_compiled")),
-              _deviation_text(r.deviation[name])]
+              *rate_cells(r, name), _deviation_text(r.deviation[name])]
              for r in section.rows if r.size == size for name, t in r.timings.items()]
     setup = next((x.seconds for x in section.setup if x.size == size), {})
     return ["", title, *table(["mode", "form", "median", "spread", "× SDPA dense",
-                               "× compiled flex", "max |ΔZ|"], cells, paint,
-                              right=(2, 3, 4, 5, 6)),
+                               "× compiled flex", "GFLOP/s", "of peak", "max |ΔZ|"], cells,
+                              paint, right=(2, 3, 4, 5, 6, 7, 8)),
             "  before the timed calls: " + "; ".join(f"{what} {_duration(seconds)}"
                                                      for what, seconds in setup.items())]
 
@@ -298,8 +333,8 @@ def lines(report: Report, table, paint) -> list[str]:
              *_compile_table(report, table, paint),
              *_memory_table(report, table, paint)] if "layer" in sections else []
     patterns = _patterns_text(report, table, paint) if "patterns" in sections else []
-    decoding = decoding_lines(report.decoding, table, paint, _duration, _times, _percent) \
-        if "decoding" in sections else []
-    return [*_header(report), *layer, *patterns, *decoding,
+    decoding = decoding_lines(report.decoding, table, paint, _duration, _times, _percent,
+                              rate_cells) if "decoding" in sections else []
+    return [*_header(report), *_roof_lines(report), *layer, *patterns, *decoding,
             *_targets_table(report, table, paint),
             f"ran in {report.seconds:.0f} s"]

@@ -110,6 +110,9 @@ class Row:
     mode: str
     timings: dict[str, Timing]
     deviation: dict[str, float] = field(default_factory=dict)
+    # each form's work, rate and fraction of the machine's peak (einattn.bench.work.rates),
+    # set once the run has measured its roof
+    peak: dict[str, dict] = field(default_factory=dict, init=False)
     BASES: ClassVar[dict[str, str]] = {"vs_textbook": "textbook",
                                        "vs_linear_sdpa": "linear_sdpa"}  # JSON key: form
 
@@ -124,7 +127,8 @@ class Row:
                 "paths": {name: {**t.as_json(),
                                  **{key: self.ratio(name, base)
                                     for key, base in self.BASES.items()},
-                                 "max_deviation": self.deviation.get(name)}
+                                 "max_deviation": self.deviation.get(name),
+                                 **self.peak.get(name, {})}
                           for name, t in self.timings.items()}}
 
 

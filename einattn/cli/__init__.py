@@ -4,7 +4,7 @@
     einattn trace [sizes]    each stage's equation, einsum, shapes, FLOPs, largest intermediate
     einattn verify [sizes]   every derivation step checked, and the scores' contraction order
     einattn latex            equations (1)–(5), (5a), (1g), (2g), (4g) as LaTeX
-    einattn bench            the benchmark: timings, compile, peak memory, targets
+    einattn bench            the benchmark: timings, fraction of peak, compile, memory, targets
 
 Every subcommand takes ``--json``. Sizes whose largest tensor would need more than
 :data:`MEMORY_LIMIT` bytes are refused before anything is allocated. A subcommand is a

@@ -109,6 +109,6 @@ def bench_command(args: argparse.Namespace, paint: Paint) -> Output:
 COMMAND = Command(bench_command, "time einattn's einsum, sdpa and chunked paths against the "
                   "textbook form, nn.MultiheadAttention and Linear+SDPA, a sliding window "
                   "against SDPA and FlexAttention, and decoding token by token; compile and "
-                  "peak memory too; targets with PASS, FAIL or SKIP (--check: exit 1 if one "
-                  "fails)",
+                  "peak memory too; each row's fraction of the machine's peak GFLOP/s or "
+                  "bandwidth; targets with PASS, FAIL or SKIP (--check: exit 1 if one fails)",
                   (bench_options,))
