@@ -37,7 +37,9 @@ class Tile(NamedTuple):
     """One tile ``[τ0, τ1) × [σ0, σ1)`` (local), ``which``: the pieces that do not allow all
     of it (empty: full; True: every piece), and their mask as a bias ``M[n μ τ σ]`` of 0 and
     −∞ to add to its scores and as ``keep``, 1 and 0 to multiply its weights by, or None
-    where it is full or evaluated per call."""
+    where it is full or evaluated per call; the masks cover the tile's keys from its column
+    ``c0`` on (every query sees the keys before it: a causal row's span is partial only in
+    its last block, whose mask then costs a quarter of the span's)."""
 
     t0: int
     t1: int
@@ -46,6 +48,7 @@ class Tile(NamedTuple):
     which: object
     bias: torch.Tensor | None = None
     keep: torch.Tensor | None = None
+    c0: int = 0
 
 
 def _spans(tiles, block_size: int) -> list:
@@ -93,10 +96,10 @@ def _kept_plan(masks: tuple, frame, block_size: int, dtype: torch.dtype) -> list
         if not tile[4] or kept > KEPT_BYTES:
             planned.append(Tile(*tile))
             continue
-        allowed = _allowed(pattern, at, tile)
-        key = (allowed.shape, allowed.numpy(force=True).tobytes())
+        c0, allowed = _trimmed(_allowed(pattern, at, tile))
+        key = (c0, allowed.shape, allowed.numpy(force=True).tobytes())
         if key not in distinct:
-            distinct[key] = _masks(allowed, dtype)
+            distinct[key] = (*_masks(allowed, dtype), c0)
             kept += 2 * allowed.numel() * torch.finfo(dtype).bits // 8
         planned.append(Tile(*tile, *distinct[key]))
     return planned
@@ -106,20 +109,21 @@ _BY_GEOMETRY: dict = {}
 
 
 def _kept_masks(pattern, at, tile, dtype: torch.dtype) -> tuple:
-    """A partial tile's ``(bias, keep)``, kept per tile geometry where every piece that does
-    not allow all of it depends on positions alone (None, None: evaluated per call)."""
+    """A partial tile's ``(bias, keep, c0)``, kept per tile geometry where every piece that
+    does not allow all of it depends on positions alone (None, None, 0: evaluated per call)."""
     which = tile[4]
     if not which or which is True or type(pattern.frame.q0) is not int:
-        return None, None
+        return None, None, 0
     pieces = tuple(pattern.masks[i] for i in sorted(which))
     if not all(piece.static for piece in pieces):
-        return None, None
+        return None, None, 0
     key = (pieces, pattern.frame, tile[:4], dtype)
     masks = _BY_GEOMETRY.get(key)
     if masks is None:
         if len(_BY_GEOMETRY) >= _KEPT_TILES:
             _BY_GEOMETRY.clear()
-        masks = _BY_GEOMETRY[key] = _masks(_allowed(pattern, at, tile), dtype)
+        c0, allowed = _trimmed(_allowed(pattern, at, tile))
+        masks = _BY_GEOMETRY[key] = (*_masks(allowed, dtype), c0)
     return masks
 
 
@@ -128,6 +132,16 @@ def _allowed(pattern, at, tile) -> torch.Tensor:
     t0, t1, s0, s1, which = tile
     with torch.inference_mode(False), torch.no_grad():
         return pattern.allowed(at.tile(slice(t0, t1), slice(s0, s1)), which)
+
+
+def _trimmed(allowed: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``(c0, allowed[..., c0:])``: ``c0`` the leading key columns every query may see (0
+    where ``allowed`` broadcasts over the keys)."""
+    if allowed.shape[-1] == 1:
+        return 0, allowed
+    hidden = (~allowed).flatten(0, -2).any(0) if allowed.dim() > 1 else ~allowed
+    c0 = int(hidden.int().argmax()) if bool(hidden.any()) else 0
+    return c0, allowed[..., c0:]
 
 
 def _masks(allowed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,7 @@ import torch.nn.functional as _F
 from .._tile_dropout import TileDropout
 from ..equations import attention_scores, weighted_values
 from ..notation import Equation
+from .tile_operands import Operands
 from .tile_plan import SPAN, plan, tiles
 
 # Forward, per tile: equations.attention_scores, S = Q_t K_b / √a, equation (2g) itself
@@ -87,48 +88,7 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-class _Operands(NamedTuple):
-    """Q, K, V of one call as the tile loop reads them, in ``acc``: ``q[(n μ) τ a] = Q / √a``
-    (the scale applied once), ``k[(n g) σ a]``, ``v[(n g) σ a]``, each contiguous, with
-    ``r`` query heads per key head."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    n: int
-    heads: int
-    r: int
-    scale: float
-
-    @classmethod
-    def of(cls, Q, K, V, acc: torch.dtype) -> _Operands:
-        n, heads, L_q, a = Q.shape
-        scale = 1.0 / math.sqrt(a)
-        q = torch.mul(Q.to(acc), scale).reshape(n * heads, L_q, a)
-        k, v = (T.to(acc).contiguous().flatten(0, 1) for T in (K, V))
-        return cls(q, k, v, n, heads, heads // K.shape[1], scale)
-
-    def per_head(self, T: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
-        """Keys or values ``[(n g) σ ·]`` of ``[σ0, σ1)`` as ``[(n μ) σ ·]``: a view where
-        ``r = 1``, else each group's block copied for its ``r`` heads (a tile's, at most
-        ``1 / (2 · τ-block)`` of its products: the whole ``K`` is never repeated)."""
-        block = T[:, s0:s1]
-        if self.r == 1:
-            return block
-        g = block.shape[0] // self.n
-        return block.unflatten(0, (self.n, g, 1)).expand(-1, -1, self.r, -1, -1).flatten(0, 2)
-
-    def add_grouped(self, total: torch.Tensor, s0: int, s1: int, x, y) -> None:
-        """``total[(n g) σ ·][σ0:σ1] += Σ_r x y``: a key or value gradient of the tile, summed
-        over the ``r`` query heads of each group (one product into ``total`` where r = 1)."""
-        if self.r == 1:
-            total[:, s0:s1].baddbmm_(x, y)
-            return
-        part = torch.bmm(x, y).unflatten(0, (self.n, -1, self.r)).sum(2).flatten(0, 1)
-        total[:, s0:s1] += part
-
-
-def _plan(pattern, block_size: int, op: _Operands) -> list:
+def _plan(pattern, block_size: int, op: Operands) -> list:
     """The tiles to visit (:func:`einattn.impls.tile_plan.plan`), their kept masks dropped
     where a key is not finite: a bias adds −∞ to a NaN (NaN), where a mask must fill it
     (a NaN behind the mask reaches no query; checked by one sum over K, on a CPU)."""
@@ -139,8 +99,8 @@ def _plan(pattern, block_size: int, op: _Operands) -> list:
     return [tile._replace(bias=None) for tile in tiles]
 
 
-def _logits(op: _Operands, mask, pattern, at, tile):
-    """One tile's scores ``S[n μ τ σ] = Q_t K_b / √a`` (a new tensor) and its logits
+def _logits(op: Operands, mask, pattern, at, tile):
+    """One tile's scores ``S[n μ τ σ] = Q_t K_b / √a`` (in the call's memory ``"S"``) and its logits
     ``cap(S) + B + M`` as ``[(n μ) τ σ]`` (−∞ where masked: S itself where no term)."""
     t0, t1, s0, s1 = tile[:4]
     S = _scores(op, t0, t1, s0, s1)
@@ -149,12 +109,12 @@ def _logits(op: _Operands, mask, pattern, at, tile):
     return S4, logits.view(S.shape)
 
 
-def _scores(op: _Operands, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor:
+def _scores(op: Operands, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor:
     """``S[(n μ) τ σ] = q_t k_bᵀ`` of the tile (the scale is in ``q``): equation (2g)."""
-    return torch.bmm(op.q[:, t0:t1], op.per_head(op.k, s0, s1).transpose(1, 2))
+    return op.product("S", op.q[:, t0:t1], op.per_head(op.k, s0, s1).transpose(1, 2))
 
 
-def _bounded(op: _Operands, pattern, mask, dZ=None) -> bool:
+def _bounded(op: Operands, pattern, mask, dZ=None) -> bool:
     """Whether ``exp(S)`` itself may be summed over every key, shifted by no running max:
     where ``|S| ≤ max‖q‖ · max‖k‖ = B`` (Cauchy–Schwarz) keeps ``e^{±B}`` and ``L_k · e^B ·
     max|V|`` between the dtype's smallest normal number and its largest (a pattern of mask
@@ -166,12 +126,18 @@ def _bounded(op: _Operands, pattern, mask, dZ=None) -> bool:
             or not pattern.only_masks or not op.k.numel() or not op.q.numel():
         return False
     norms = [torch.linalg.vector_norm(x, dim=-1).amax() for x in (op.q, op.k)]
-    v = op.v.abs().amax()
+    v = _largest(op.v)
     bound = (norms[0] * norms[1]).item()
     size = math.log(op.k.shape[1]) + math.log1p(v.item())
     if dZ is not None:
-        size += bound + math.log1p(2 * op.q.shape[2] * (dZ.abs().amax() * v).item())
+        size += bound + math.log1p(2 * op.q.shape[2] * (_largest(dZ) * v).item())
     return bound + size <= _EXP_RANGE[op.q.dtype]
+
+
+def _largest(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` in one pass, with no ``|x|`` made (NaN where x holds one)."""
+    low, high = torch.aminmax(x)
+    return torch.maximum(-low, high)
 
 
 def _masked(S, mask, pattern, at, tile):
@@ -190,7 +156,7 @@ def _masked(S, mask, pattern, at, tile):
             logits += M
     bias = tile[5] if len(tile) > 5 else None
     if bias is not None:
-        logits += bias
+        logits[..., tile[7]:] += bias  # from the tile's first column that a mask hides
     elif which:
         logits.masked_fill_(~pattern.allowed(here, which), -_INF)
     return logits
@@ -222,7 +188,7 @@ def forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None = 
     return _tiled_forward(Q, K, V, mask, pattern, block_size, drop)
 
 
-def _statistics(op: _Operands, sinks, a_v: int, fixed: bool):
+def _statistics(op: Operands, sinks, a_v: int, fixed: bool):
     """``m[(n μ) τ 1] = −∞`` (0 where the shift is ``fixed``), ``l = 0``, ``O[(n μ) τ a] = 0``;
     a sink starts every row at ``m = s_μ``, ``l = 1`` (one more logit, whose value is zero;
     ``l = 0`` for −∞)."""
@@ -238,7 +204,7 @@ def _statistics(op: _Operands, sinks, a_v: int, fixed: bool):
 
 def _tiled_forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None):
     acc, out_dtype = accumulator(Q.dtype), Q.dtype
-    op = _Operands.of(Q, K, V, acc)  # tiles in ≥ float32
+    op = Operands.of(Q, K, V, acc)  # tiles in ≥ float32
     fixed = _bounded(op, pattern, mask)
     stats = _statistics(op, pattern.sinks, V.shape[3], fixed)
     step, at = _fixed_step if fixed else _online_step, pattern.grid()
@@ -251,7 +217,7 @@ def _tiled_forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | 
     return Z.view(*shape, V.shape[3]).to(out_dtype), (m + torch.log(l)).view(shape)
 
 
-def _online_step(op: _Operands, mask, pattern, at, tile, stats, drop) -> None:
+def _online_step(op: Operands, mask, pattern, at, tile, stats, drop) -> None:
     """One tile of the online softmax: RUNNING_MAX, WEIGHTS (in S's memory), RESCALE,
     RUNNING_SUM, RUNNING_VALUES on the tile's rows of ``stats = (m, l, O)``."""
     t0, t1, s0, s1 = tile[:4]
@@ -267,7 +233,7 @@ def _online_step(op: _Operands, mask, pattern, at, tile, stats, drop) -> None:
     m_old.copy_(m_new)
 
 
-def _fixed_step(op: _Operands, mask, pattern, at, tile, stats, drop) -> None:
+def _fixed_step(op: Operands, mask, pattern, at, tile, stats, drop) -> None:
     """One tile where every score is bounded (:func:`_bounded`), so that the shift ``m`` is
     0 throughout: ``P = exp(S)`` (then times the tile's ``keep``), ``l += sum_σ P``,
     ``O += P V_b``: WEIGHTS, RUNNING_SUM and RUNNING_VALUES with ``c = 1``."""
@@ -279,7 +245,7 @@ def _fixed_step(op: _Operands, mask, pattern, at, tile, stats, drop) -> None:
     stats[2][:, t0:t1].baddbmm_(P, op.per_head(op.v, s0, s1))
 
 
-def _dropped(P: torch.Tensor, op: _Operands, tile, drop) -> torch.Tensor:
+def _dropped(P: torch.Tensor, op: Operands, tile, drop) -> torch.Tensor:
     """``P ∘ R`` in P's memory, ``R`` the tile's dropout mask (P itself without dropout)."""
     if drop is not None:
         P.mul_(drop.weights(tile, (op.n, op.heads, *P.shape[1:]), P.device,
@@ -287,7 +253,7 @@ def _dropped(P: torch.Tensor, op: _Operands, tile, drop) -> torch.Tensor:
     return P
 
 
-def _kept(P: torch.Tensor, op: _Operands, pattern, at, tile) -> None:
+def _kept(P: torch.Tensor, op: Operands, pattern, at, tile) -> None:
     """``P`` times the tile's mask (1 where a key may be seen, 0 where not), in P's memory:
     the plan's ``keep``, or the pieces ``which`` evaluated on the tile's indices."""
     keep = tile.keep
@@ -295,7 +261,7 @@ def _kept(P: torch.Tensor, op: _Operands, pattern, at, tile) -> None:
         keep = pattern.allowed(at.tile(slice(tile.t0, tile.t1), slice(tile.s0, tile.s1)),
                                tile.which)
     if keep is not None:
-        P.view(op.n, op.heads, *P.shape[1:]).mul_(keep)
+        P.view(op.n, op.heads, *P.shape[1:])[..., tile.c0:].mul_(keep)
 
 
 # -- a few queries: split keys (flash-decoding) ----------------------------------------------
@@ -355,7 +321,7 @@ def backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: 
     into ``dZ`` and ``D`` once: ``dV = exp(S)ᵀ (dZ e^{−lse})``, ``dS = exp(S) ∘ (dP e^{−lse}
     − D e^{−lse})``, one pass less per tile."""
     acc, (n, heads, L_q, a_v) = accumulator(Q.dtype), Z.shape
-    op = _Operands.of(Q, K, V, acc)  # every tile in ≥ float32
+    op = Operands.of(Q, K, V, acc)  # every tile in ≥ float32
     dZ3 = dZ.to(acc).reshape(n * heads, L_q, a_v)
     D = (dZ3 * Z.to(acc).reshape(dZ3.shape)).sum(-1, keepdim=True)  # D = Σ_a dZ Z = Σ_σ P dP
     grads = _Grads(torch.zeros_like(op.q), torch.zeros_like(op.k), torch.zeros_like(op.v),
@@ -384,7 +350,7 @@ class _Grads(NamedTuple):
     dT: list
 
 
-def _tile_backward(op: _Operands, mask, pattern, at, tile, rows, grads: _Grads, drop):
+def _tile_backward(op: Operands, mask, pattern, at, tile, rows, grads: _Grads, drop):
     """One tile's share of the gradients, from ``rows = (lse, D, dZ)`` of every query (or
     ``(None, D e^{−lse}, dZ e^{−lse})``, where ``P = exp(S) e^{−lse}``)."""
     t0, t1, s0, s1 = tile[:4]
@@ -398,7 +364,7 @@ def _tile_backward(op: _Operands, mask, pattern, at, tile, rows, grads: _Grads, 
     R = None if drop is None else \
         drop.weights(tile, (op.n, op.heads, *P.shape[1:]), P.device, P.dtype).view(P.shape)
     op.add_grouped(grads.dV, s0, s1, (P if R is None else P * R).transpose(1, 2), dZ)
-    dP = torch.bmm(dZ, op.per_head(op.v, s0, s1).transpose(1, 2))  # PROB_GRADS
+    dP = op.product("dP", dZ, op.per_head(op.v, s0, s1).transpose(1, 2))  # PROB_GRADS
     dP = dP if R is None else dP.mul_(R)  # through the dropout: dA = R ∘ (dZ V)
     dS = dP.sub_(D).mul_(P)  # dS = P ∘ (dP − D), in dP's memory
     if grads.dM is not None or pattern.scores:
