@@ -491,7 +491,8 @@ def test_every_eager_window_form_is_the_same_attention(size):
     assert set(forms) == set(names) and set(setup) == {"dense mask"}
     Q, K, V, dZ = bench.pattern_inputs(size, dtype=torch.float64)
     for name, form in forms.items():
-        allowed = bench.window_mask(size.L, size.L if name == "chunked_causal" else size.window)
+        allowed = bench.window_mask(size.L, size.L if name in ("chunked_causal", "sdpa_causal")
+                                    else size.window)
         leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
         window_reference(*leaves, allowed).backward(dZ)
         assert_close_scaled(form(Q, K, V), window_reference(Q, K, V, allowed), TOL[torch.float64])
@@ -499,6 +500,21 @@ def test_every_eager_window_form_is_the_same_attention(size):
         form(*mine).backward(dZ)
         for got, want in zip(mine, leaves, strict=True):
             assert_close_scaled(got.grad, want.grad, TOL[torch.float64])
+
+
+
+def test_the_document_forms_are_block_diagonal_attention():
+    """The packed documents (issue 38: block-diagonal, not causal): SDPA with the dense mask
+    and the chunked form give the softmax over each query's own document, every key of it."""
+    from einattn.bench.patterns import document_ids
+    size = bench.PatternSize(1, 2, 29, 5, 7)
+    forms, _ = bench.pattern_forms(size, ("sdpa_documents", "chunked_documents"))
+    Q, K, V, _ = bench.pattern_inputs(size, dtype=torch.float64)
+    d = document_ids(size.L)[0]
+    allowed = d[:, None] == d[None, :]
+    assert not allowed.tril().equal(allowed)  # a query sees keys after it
+    for form in forms.values():
+        assert_close_scaled(form(Q, K, V), window_reference(Q, K, V, allowed), TOL[torch.float64])
 
 
 def test_the_hand_written_flex_is_the_window():
@@ -513,6 +529,24 @@ def test_the_hand_written_flex_is_the_window():
     with torch.no_grad():
         Z = forms["flex_compiled"](Q, K, V)
     assert_close_scaled(Z, window_reference(Q, K, V, bench.window_mask(size.L, size.window)),
+                        TOL[torch.float32])
+
+
+
+def test_the_hand_written_flex_of_documents_is_block_diagonal():
+    """The documents' compiled FlexAttention call (float32, forward), compiled for its own
+    mask_mod, gives the block-diagonal Z; its BlockMask's cost is reported apart."""
+    if bench.pattern_skipped(bench.Settings.build()).get("flex_documents"):
+        pytest.skip("no FlexAttention or torch.compile here")
+    from einattn.bench.patterns import document_ids
+    size = bench.PatternSize(1, 2, 256, 16, 64)
+    forms, setup = bench.pattern_forms(size, ("flex_documents",))
+    assert "create_block_mask (documents)" in setup
+    Q, K, V, _ = bench.pattern_inputs(size)
+    d = document_ids(size.L)[0]
+    with torch.no_grad():
+        Z = forms["flex_documents"](Q, K, V)
+    assert_close_scaled(Z, window_reference(Q, K, V, d[:, None] == d[None, :]),
                         TOL[torch.float32])
 
 

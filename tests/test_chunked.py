@@ -469,10 +469,29 @@ def test_no_temporary_spans_every_query_of_a_key_block(causal):
     made = largest_outputs(
         lambda: chunked.attention(Q, K, V, causal=causal, block_size=b).sum().backward())
     assert torch.Size(made[0]).numel() == N * MU * L * A_V  # Z (and dV): O(L·a)
-    assert not any(len(shape) == 4 and (shape[2:] == (L, b) or shape[2:] == (b, L))
+    assert not any(len(shape) >= 3 and (shape[-2:] == (L, b) or shape[-2:] == (b, L))
                    for shape in made)
-    tiles = [s for s in made if len(s) == 4 and s[2] == b and s[3] % b == 0]
+    tiles = [s for s in made if len(s) >= 3 and s[-2] == b and s[-1] % b == 0]
     assert max(torch.Size(s).numel() for s in tiles) == N * MU * b * chunked.SPAN * b
+
+
+
+def test_a_causal_span_masks_only_its_last_block():
+    """A causal row of tiles runs as one span of SPAN key blocks whose keys every query of
+    the row sees but those of its last block: the plan's mask covers that block alone (its
+    columns from c0 on, the first one seen by every query of the row), and the span's
+    weights are the dense causal softmax's."""
+    L, b = 40, 4
+    pattern = patterns.build(n=N, n_heads=MU, L_q=L, L_k=L, dtype=F64,
+                             device=torch.device("cpu"), causal=True, pattern=None)
+    planned = impls.tile_plan.plan(pattern, b, F64)
+    masked = [tile for tile in planned if tile.keep is not None]
+    assert masked and all(tile.s1 - tile.s0 - tile.c0 == tile.keep.shape[-1] == b - 1
+                          for tile in masked)  # the diagonal block less its first key
+    assert max(tile.s1 - tile.s0 for tile in masked) > b
+    Q, K, V = qkv(L, L)
+    assert_close_scaled(chunked.attention(Q, K, V, causal=True, block_size=b),
+                        einsum_path(Q, K, V, causal=True), TOL[F64])
 
 
 # -- torch.compile -------------------------------------------------------------------------

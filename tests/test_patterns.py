@@ -584,17 +584,17 @@ def scores_computed(monkeypatch, L_q, L_k, size, **opts) -> int:
     """How many scores (τ, σ) of one head chunked attention computes in its forward (its
     backward recomputes the same tiles), over every tile it visits."""
     tiles = []
-    real = tile_kernels._tile_logits
+    real = tile_kernels._scores
 
-    def counted(*args):
-        tiles.append(args[5])
-        return real(*args)
+    def counted(op, *tile):
+        tiles.append(tile)
+        return real(op, *tile)
 
-    monkeypatch.setattr(tile_kernels, "_tile_logits", counted)
+    monkeypatch.setattr(tile_kernels, "_scores", counted)
     Q, K, V = qkv(L_q, L_k)
     F.attention(Q, K, V, impl="chunked", block_size=size, **opts).sum().backward()
-    monkeypatch.setattr(tile_kernels, "_tile_logits", real)
-    area = [(t1 - t0) * (s1 - s0) for t0, t1, s0, s1, _ in tiles]
+    monkeypatch.setattr(tile_kernels, "_scores", real)
+    area = [(t1 - t0) * (s1 - s0) for t0, t1, s0, s1 in tiles]
     assert sum(area[:len(area) // 2]) == sum(area[len(area) // 2:])  # forward = backward
     return sum(area) // 2
 

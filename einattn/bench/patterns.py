@@ -4,6 +4,8 @@
     sdpa_dense      F.scaled_dot_product_attention with the dense bool mask ``[τ σ]``
     chunked         einattn, impl="chunked", causal=True, window=w: empty tiles skipped
     chunked_causal  the same without the window: the work and memory the window saves
+    sdpa_causal     F.scaled_dot_product_attention with ``is_causal=True``, the same as
+                    chunked_causal: PyTorch's own flash kernel
     einsum          einattn, impl="einsum" with the window: equations (2)–(4) as written
     flex_compiled   hand-written: ``torch.compile(flex_attention)`` with the mask_mod
                     ``(kv <= q) & (kv > q - w)`` and a ``create_block_mask`` made once
@@ -12,10 +14,12 @@
     chunked_maskmod the window written as a MaskMod, FlexAttention's mask_mod above
     chunked_mask    the window written as a Mask string, ``"σ ≤ τ ∧ τ − σ < w"``
 
-and 8 packed documents of random lengths (``d[n τ] = d[n σ]``, causal):
+and 8 packed documents of random lengths (``d[n τ] = d[n σ]``, block-diagonal, not causal):
 
     sdpa_documents     F.scaled_dot_product_attention with the dense bool mask ``[τ σ]``
-    chunked_documents  einattn, impl="chunked", causal=True, document_ids=d
+    chunked_documents  einattn, impl="chunked", document_ids=d
+    flex_documents     hand-written: ``torch.compile(flex_attention)`` with the mask_mod
+                       ``d[q] == d[kv]`` and a ``create_block_mask`` made once
 
 The dense masks and the hand-written BlockMask are made once, outside the timed calls, as a
 user caches them; what making them costs is reported apart (:class:`Setup`), with each
@@ -47,23 +51,26 @@ if TYPE_CHECKING:
     from .settings import Settings
 
 PATTERN_FORMS = ("sdpa_dense", "chunked", "chunked_maskmod", "chunked_mask", "chunked_causal",
-                 "einsum", "flex_compiled", "flex")  # the window's
+                 "sdpa_causal", "einsum", "flex_compiled", "flex")  # the window's
 PATTERN_NAMES = {"sdpa_dense": "SDPA, dense mask", "chunked": "einattn chunked",
                  "chunked_maskmod": "einattn chunked, MaskMod",
                  "chunked_mask": "einattn chunked, Mask string",
                  "chunked_causal": "einattn chunked, no window",
+                 "sdpa_causal": "SDPA, is_causal (no window)",
                  "einsum": "einattn einsum", "flex_compiled": "compiled flex (hand-written)",
                  "flex": 'einattn impl="flex"', "sdpa_documents": "SDPA, dense documents",
-                 "chunked_documents": "einattn chunked, documents"}
-DOCUMENT_FORMS = ("sdpa_documents", "chunked_documents")
+                 "chunked_documents": "einattn chunked, documents",
+                 "flex_documents": "compiled flex, documents (hand-written)"}
+DOCUMENT_FORMS = ("sdpa_documents", "chunked_documents", "flex_documents")
 N_DOCUMENTS = 8
 # Forward only, at the memory lengths: no L × L tensor (64 MiB of bool at L = 8192) is made.
 FORWARD_MEMORY_FORMS = ("chunked_mask",)
 FORWARD_MEMORY_LIMIT = 32 * 2 ** 20
-FLEX_FORMS = ("flex_compiled", "flex")
+FLEX_FORMS = ("flex_compiled", "flex", "flex_documents")
 FORWARD_ONLY = "FlexAttention's CPU kernels are forward only"
-# The forms whose peak memory is measured: the window's, the same without it, the dense one.
-PATTERN_MEMORY_FORMS = ("chunked", "chunked_causal", "sdpa_dense", "chunked_mask")
+# The forms whose peak memory is measured: the window's, the same without it (chunked and
+# SDPA's flash kernel), the dense one.
+PATTERN_MEMORY_FORMS = ("chunked", "chunked_causal", "sdpa_causal", "sdpa_dense", "chunked_mask")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -89,9 +96,9 @@ def document_ids(L: int, *, seed: int = 3) -> torch.Tensor:
 
 
 def documents_mask(ids: torch.Tensor) -> torch.Tensor:
-    """The dense causal documents mask ``[τ σ]``, True = may attend."""
+    """The dense block-diagonal documents mask ``[τ σ]``, True = may attend: ``d[τ] = d[σ]``."""
     d = ids[0]
-    return (d[:, None] == d[None, :]) & torch.ones(len(d), len(d), dtype=torch.bool).tril()
+    return d[:, None] == d[None, :]
 
 
 def pattern_inputs(size: PatternSize, *, seed: int = 1, dtype: torch.dtype = torch.float32):
@@ -107,21 +114,24 @@ def _seconds(fn: Callable[[], object]) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def _hand_flex(size: PatternSize, setup: dict[str, float]) -> Attend:
-    """The hand-written FlexAttention call, its BlockMask made once (twice, to time the
-    second, which no longer pays for the first's tracing)."""
+def _hand_flex(size: PatternSize, setup: dict[str, float], mask_mod=None,
+               what: str = "") -> Attend:
+    """The hand-written FlexAttention call with ``mask_mod`` (the window's where None), its
+    BlockMask made once (twice, to time the second, which no longer pays for the first's
+    tracing), compiled for this mask alone (``dynamic=False``: one compiled function reused
+    for a second mask fails in Inductor's C++ code generation, torch 2.13)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     w = size.window
 
-    def mask_mod(b, h, q, kv):
+    def window(b, h, q, kv):
         return (kv <= q) & (kv > q - w)
 
     def make():
-        return create_block_mask(mask_mod, None, None, size.L, size.L, device="cpu")
+        return create_block_mask(mask_mod or window, None, None, size.L, size.L, device="cpu")
 
-    _, setup["create_block_mask first call"] = _seconds(make)
-    block_mask, setup["create_block_mask"] = _seconds(make)
+    _, setup[f"create_block_mask{what} first call"] = _seconds(make)
+    block_mask, setup[f"create_block_mask{what}"] = _seconds(make)
     compiled = torch.compile(flex_attention, dynamic=False)
     return lambda Q, K, V: compiled(Q, K, V, block_mask=block_mask)
 
@@ -139,6 +149,7 @@ def pattern_forms(size: PatternSize, names: tuple[str, ...] = PATTERN_FORMS) \
              "chunked_mask": partial(attention, pattern=Mask("σ ≤ τ ∧ τ − σ < w", w=w),
                                      impl="chunked"),
              "chunked_causal": partial(attention, causal=True, impl="chunked"),
+             "sdpa_causal": partial(F.scaled_dot_product_attention, is_causal=True),
              "einsum": partial(attention, causal=True, window=w, impl="einsum"),
              "flex": partial(attention, causal=True, window=w, impl="flex")}
     if "flex_compiled" in names:
@@ -147,8 +158,12 @@ def pattern_forms(size: PatternSize, names: tuple[str, ...] = PATTERN_FORMS) \
         ids = document_ids(size.L)
         documents, setup["dense documents mask"] = _seconds(lambda: documents_mask(ids))
         forms["sdpa_documents"] = partial(F.scaled_dot_product_attention, attn_mask=documents)
-        forms["chunked_documents"] = partial(attention, causal=True, impl="chunked",
+        forms["chunked_documents"] = partial(attention, impl="chunked",
                                              document_ids=ids.expand(size.n, size.L))
+        if "flex_documents" in names:
+            d = ids[0]
+            forms["flex_documents"] = _hand_flex(size, setup, lambda b, h, q, kv: d[q] == d[kv],
+                                                 " (documents)")
     return {name: forms[name] for name in names}, setup
 
 
@@ -198,7 +213,9 @@ class PatternRow(Row):
 
     size: PatternSize
     BASES: ClassVar[dict[str, str]] = {"vs_sdpa_dense": "sdpa_dense",
-                                       "vs_flex_compiled": "flex_compiled"}
+                                       "vs_flex_compiled": "flex_compiled",
+                                       "vs_sdpa_causal": "sdpa_causal",
+                                       "vs_flex_documents": "flex_documents"}
 
 
 @dataclass
@@ -220,10 +237,11 @@ def _deviations(outputs: dict[str, torch.Tensor], Q, K, V, size: PatternSize) \
     ``max(1, max |Z|)``)."""
     def sdpa(mask):
         return F.scaled_dot_product_attention(Q, K, V, attn_mask=mask)
-    refs = {"chunked_causal": lambda: sdpa(torch.ones(size.L, size.L, dtype=torch.bool).tril()),
+    causal = torch.ones(size.L, size.L, dtype=torch.bool).tril()
+    refs = {"chunked_causal": lambda: sdpa(causal), "sdpa_causal": lambda: sdpa(causal),
             "sdpa_documents": lambda: sdpa(documents_mask(document_ids(size.L))),
             "windowed": lambda: sdpa(window_mask(size.L, size.window))}
-    refs["chunked_documents"] = refs["sdpa_documents"]
+    refs["chunked_documents"] = refs["flex_documents"] = refs["sdpa_documents"]
     return {name: relative_deviation(Z, refs.get(name, refs["windowed"])())
             for name, Z in outputs.items()}
 

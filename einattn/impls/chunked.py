@@ -27,7 +27,8 @@ from .._tile_dropout import TileDropout
 from ..equations import check_qkv, weighted_values
 from ..errors import EinattnError
 from . import einsum
-from .tiles import backward, for_backward, forward, tiles
+from .tile_plan import tiles
+from .tiles import backward, for_backward, forward
 
 
 def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,

@@ -13,13 +13,18 @@ Queries are cut into blocks ``τ ∈ t`` and keys into blocks ``σ ∈ b``, both
     O_new[n (g r) τ a] = c[n (g r) τ] · O[n (g r) τ a] + P[n (g r) τ σ] V_b[n g σ a]
 
 the last RUNNING_VALUES, and at the end ``Z = O / l`` and ``lse = m + log l``, the log of
-the softmax denominator. Each line is an :class:`~einattn.notation.Equation` that the tile
-loop runs, but for WEIGHTS, which runs in the storage of the tile's S, as ``S.sub_(m_new)
-.exp_()`` (a fresh tile-sized tensor on every tile cost 20% of the forward; checked equal
-in tests/test_chunked.py).
-The pattern of equation (3) (:mod:`einattn.patterns`) is evaluated per tile from the
-indices: a tile it leaves empty is never visited, one it leaves fully visible gets no mask
-work, and a sink ``s_μ`` starts each row at ``m = s_μ``, ``l = 1`` (one more key whose
+the softmax denominator. Each line is an :class:`~einattn.notation.Equation`
+(tests/test_chunked.py runs them over tiles to the softmax); the tile loop runs the same
+lines as in-place torch calls on tiles ``[(n μ) τ σ]`` (:func:`_online_step`), ``Q / √a``
+formed once. Where every score is bounded (:func:`_bounded`: ``|S| ≤ max‖q‖ max‖k‖``, so
+that ``exp(S)`` neither overflows nor underflows) the shift ``m`` is 0 throughout and a
+tile is ``P = exp(S)``, ``l += Σ_σ P``, ``O += P V_b`` (:func:`_fixed_step`): the max, the
+subtraction and the rescaling are not needed (``Z = O / l`` does not depend on the shift).
+Why each call is as it is: docs/performance.md, "How the fast paths are fast".
+The pattern of equation (3) (:mod:`einattn.patterns`) judges each tile
+(:mod:`einattn.impls.tile_plan`): a tile it leaves empty is never visited, one it leaves
+fully visible gets no mask work, a partial one its mask (kept per pattern and size), and a
+sink ``s_μ`` starts each row at ``m = s_μ``, ``l = 1`` (one more key whose
 value is zero).
 Ordinary multi-head attention is ``g = μ``, ``r = 1``; with grouped-query attention each
 key/value group serves its ``r`` query heads where it lies, never repeated. The backward
@@ -43,12 +48,17 @@ statistics were.
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as _F
 
 from .._tile_dropout import TileDropout
 from ..equations import attention_scores, weighted_values
 from ..notation import Equation
+from .tile_operands import Operands
+from .tile_plan import SPAN, plan, tiles
 
 # Forward, per tile: equations.attention_scores, S = Q_t K_b / √a, equation (2g) itself
 # ((2) where g = μ); then the online softmax, equation (3) over the keys seen so far, with
@@ -65,7 +75,12 @@ PROB_GRADS = Equation("dP[n (g r) τ σ] = dZ_t[n (g r) τ a] V_b[n g σ a]")
 QUERY_GRADS = Equation("dQ_t[n (g r) τ a] = dS[n (g r) τ σ] K_b[n g σ a] / √a")
 KEY_GRADS = Equation("dK_b[n g σ a] = dS[n (g r) τ σ] Q_t[n (g r) τ a] / √a")
 
+__all__ = ["SPAN", "tiles"]  # the tiles visited, re-exported for the entry and the ring
+
 _INF = float("inf")
+_LOG2E = 1.0 / math.log(2.0)
+# |x| within which exp(x) is a normal number, with room (float32: 87.3; float64: 708)
+_EXP_RANGE = {torch.float32: 80.0, torch.float64: 700.0}
 
 
 def accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -73,47 +88,87 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _tile_logits(Q, K, mask, pattern, at, tile, acc) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile's ``S[n μ τ σ]`` and its logits ``cap(S) + B + M`` (−∞ where masked)."""
-    t0, t1, s0, s1, partial = tile
+def _plan(pattern, block_size: int, op: Operands) -> list:
+    """The tiles to visit (:func:`einattn.impls.tile_plan.plan`), their kept masks dropped
+    where a key is not finite: a bias adds −∞ to a NaN (NaN), where a mask must fill it
+    (a NaN behind the mask reaches no query; checked by one sum over K, on a CPU)."""
+    tiles = plan(pattern, block_size, op.q.dtype)
+    if not any(tile.bias is not None for tile in tiles) or (
+            op.k.device.type == "cpu" and math.isfinite(op.k.sum().item())):
+        return tiles
+    return [tile._replace(bias=None) for tile in tiles]
+
+
+def _logits(op: Operands, mask, pattern, at, tile):
+    """One tile's scores ``S[n μ τ σ] = Q_t K_b / √a`` (in the call's memory ``"S"``) and its logits
+    ``cap(S) + B + M`` as ``[(n μ) τ σ]`` (−∞ where masked: S itself where no term)."""
+    t0, t1, s0, s1 = tile[:4]
+    S = _scores(op, t0, t1, s0, s1)
+    S4 = S.view(op.n, op.heads, t1 - t0, s1 - s0)
+    logits = _masked(S4, mask, pattern, at, tile)
+    return S4, logits.view(S.shape)
+
+
+def _scores(op: Operands, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor:
+    """``S[(n μ) τ σ] = q_t k_bᵀ`` of the tile (the scale is in ``q``): equation (2g)."""
+    return op.product("S", op.q[:, t0:t1], op.per_head(op.k, s0, s1).transpose(1, 2))
+
+
+def _bounded(op: Operands, pattern, mask, dZ=None) -> bool:
+    """Whether ``exp(S)`` itself may be summed over every key, shifted by no running max:
+    where ``|S| ≤ max‖q‖ · max‖k‖ = B`` (Cauchy–Schwarz) keeps ``e^{±B}`` and ``L_k · e^B ·
+    max|V|`` between the dtype's smallest normal number and its largest (a pattern of mask
+    pieces alone, no mask tensor, on a CPU, outside ``torch.compile``). The shift cancels
+    from ``Z = O / l``; without it a tile skips the max, the subtraction and the rescaling,
+    two of its five passes. With ``dZ`` (the backward's), ``e^B · 2a · max|dZ| · max|V|``
+    too, for ``dZ e^{−lse}`` (:func:`backward`)."""
+    if torch.compiler.is_compiling() or mask is not None or op.q.device.type != "cpu" \
+            or not pattern.only_masks or not op.k.numel() or not op.q.numel():
+        return False
+    norms = [torch.linalg.vector_norm(x, dim=-1).amax() for x in (op.q, op.k)]
+    v = _largest(op.v)
+    bound = (norms[0] * norms[1]).item()
+    size = math.log(op.k.shape[1]) + math.log1p(v.item())
+    if dZ is not None:
+        size += bound + math.log1p(2 * op.q.shape[2] * (_largest(dZ) * v).item())
+    return bound + size <= _EXP_RANGE[op.q.dtype]
+
+
+def _largest(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` in one pass, with no ``|x|`` made (NaN where x holds one)."""
+    low, high = torch.aminmax(x)
+    return torch.maximum(-low, high)
+
+
+def _masked(S, mask, pattern, at, tile):
+    """``cap(S) + B + M`` of one tile's ``S[n μ τ σ]``, in its memory where there is no
+    score term: ``mask`` sliced to the tile, then the pieces ``tile.which`` (a kept bias
+    added, else evaluated on the tile's indices and filled with −∞)."""
+    t0, t1, s0, s1, which = tile[:5]
     tau, sigma = slice(t0, t1), slice(s0, s1)
-    S = attention_scores(Q[:, :, tau], K[:, :, sigma]).to(acc)  # a new tensor:
     here = None if at is None else at.tile(tau, sigma)
-    logits = pattern.scored(S, here) if pattern.scores else S  # masked in place below
+    logits = pattern.scored(S, here) if pattern.scores else S
     if mask is not None:
         M = _mask_tile(mask, tau, sigma)
         if M.dtype == torch.bool:
             logits.masked_fill_(~M, -_INF)
         else:
             logits += M
-    if partial:  # a tile the pattern leaves wholly visible needs no mask; else its pieces
-        logits.masked_fill_(~pattern.allowed(here, partial), -_INF)  # that do not
-    return S, logits
+    bias = tile[5] if len(tile) > 5 else None
+    if bias is not None:
+        logits[..., tile[7]:] += bias  # from the tile's first column that a mask hides
+    elif which:
+        logits.masked_fill_(~pattern.allowed(here, which), -_INF)
+    return logits
 
 
-SPAN = 4  # the widest tile, in key blocks: neighbours in a row of tiles run as one
-
-
-def _spans(tiles, block_size: int) -> list:
-    """The pattern's tiles with neighbours merged, up to the area of ``SPAN`` tiles (a row of
-    ``SPAN`` key blocks; for one decoding query, ``SPAN · block_size`` blocks): fewer, wider
-    products (a window's band of keys in one), the same keys visited. Neighbours
-    merge where they start at the same query (a causal tile starts at its first row that
-    sees one of its keys), so no query meets a key it does not see in the same tile."""
-    merged, area = [], SPAN * block_size * block_size  # a few queries: a longer row of keys
-    for t0, t1, s0, s1, partial in tiles:
-        if merged:
-            m0, m1, n0, n1, m_partial = merged[-1]
-            if (m0, m1, n1) == (t0, t1, s0) and (t1 - t0) * (s1 - n0) <= area:
-                merged[-1] = (t0, t1, n0, s1, m_partial | partial)
-                continue
-        merged.append((t0, t1, s0, s1, partial))
-    return merged
-
-
-def tiles(pattern, block_size: int) -> list:
-    """The tiles ``(τ0, τ1, σ0, σ1, partial)`` the forward and the backward visit."""
-    return _spans(pattern.tiles(block_size, cut=True, which=True), block_size)
+def _exp(X: torch.Tensor, shift: torch.Tensor, masked) -> torch.Tensor:
+    """``exp(X − shift)`` in ``X``'s memory; where ``X`` may hold −∞ (``masked``), as
+    ``2^((X − shift) · log₂ e)``: torch's CPU ``exp`` takes a slow path for −∞ and for
+    arguments whose exp underflows (a tile a third masked: 5× its time), ``exp2`` does not
+    (3 passes for 1: 4 × 256 × 256 scores, 0.5 ms → 0.1 ms)."""
+    X.sub_(shift)
+    return X.mul_(_LOG2E).exp2_() if masked else X.exp_()
 
 
 def _mask_tile(mask: torch.Tensor, tau: slice, sigma: slice) -> torch.Tensor:
@@ -133,33 +188,80 @@ def forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None = 
     return _tiled_forward(Q, K, V, mask, pattern, block_size, drop)
 
 
+def _statistics(op: Operands, sinks, a_v: int, fixed: bool):
+    """``m[(n μ) τ 1] = −∞`` (0 where the shift is ``fixed``), ``l = 0``, ``O[(n μ) τ a] = 0``;
+    a sink starts every row at ``m = s_μ``, ``l = 1`` (one more logit, whose value is zero;
+    ``l = 0`` for −∞)."""
+    q = op.q
+    m = q.new_full((*q.shape[:2], 1), 0.0 if fixed else -_INF)
+    l = q.new_zeros(m.shape)  # noqa: E741
+    if sinks is not None:
+        s = sinks.to(q.dtype)[None, :, None, None].expand(op.n, -1, 1, 1).flatten(0, 1)
+        m.copy_(s)
+        l.copy_(s != -_INF)
+    return m, l, q.new_zeros((*q.shape[:2], a_v))
+
+
 def _tiled_forward(Q, K, V, mask, pattern, block_size: int, drop: TileDropout | None):
-    n, n_heads, L_q, _ = Q.shape
-    acc = accumulator(Q.dtype)
-    out_dtype, (Q, K, V) = Q.dtype, (t.to(acc) for t in (Q, K, V))  # tiles in ≥ float32
-    m = Q.new_full((n, n_heads, L_q), -_INF, dtype=acc)  # running max m[n μ τ]
-    l = Q.new_zeros((n, n_heads, L_q), dtype=acc)  # noqa: E741 running sum l[n μ τ]
-    if pattern.sinks is not None:  # the sink: one more logit s_μ, whose value is zero
-        m.copy_(pattern.sinks[:, None])
-        l.copy_((pattern.sinks != -_INF)[:, None])  # exp(s_μ − m) = 1, or 0 for s_μ = −∞
-    O = Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=acc)  # noqa: E741 unnormalised Z
-    at = pattern.grid()
-    for tile in tiles(pattern, block_size):
-        tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
-        _, S = _tile_logits(Q, K, mask, pattern, at, tile, acc)
-        m_old = m[:, :, tau]
-        m_new = RUNNING_MAX(m=m_old, S=S)
-        m_safe = m_new.masked_fill(m_new == -_INF, 0.0)  # no key yet: exp(−∞ − 0) = 0
-        P = S.sub_(m_safe[..., None]).exp_()  # WEIGHTS, in S's memory (a tile, not two)
-        c = RESCALE(m=m_old, m_new=m_safe)
-        l[:, :, tau] = RUNNING_SUM(c=c, l=l[:, :, tau], P=P)
-        if drop is not None:  # after the sum: the denominator is not dropped
-            P.mul_(drop.weights(tile, P.shape, P.device, acc))
-        O[:, :, tau] = RUNNING_VALUES(c=c, O=O[:, :, tau], P=P, V_b=V[:, :, sigma])
-        m[:, :, tau] = m_new
+    acc, out_dtype = accumulator(Q.dtype), Q.dtype
+    op = Operands.of(Q, K, V, acc)  # tiles in ≥ float32
+    fixed = _bounded(op, pattern, mask)
+    stats = _statistics(op, pattern.sinks, V.shape[3], fixed)
+    step, at = _fixed_step if fixed else _online_step, pattern.grid()
+    for tile in _plan(pattern, block_size, op):
+        step(op, mask, pattern, at, tile, stats, drop)
+    m, l, O = stats  # noqa: E741
     dead = l == 0  # no admissible key (or L_k = 0), no sink: Z = 0, lse = m + log 0 = −∞
-    Z = O.div_(l.masked_fill(dead, 1.0)[..., None]).to(out_dtype)  # in O's memory
-    return Z, m + torch.log(l)
+    Z = O.div_(l.masked_fill(dead, 1.0))  # in O's memory
+    shape = (op.n, op.heads, Q.shape[2])
+    return Z.view(*shape, V.shape[3]).to(out_dtype), (m + torch.log(l)).view(shape)
+
+
+def _online_step(op: Operands, mask, pattern, at, tile, stats, drop) -> None:
+    """One tile of the online softmax: RUNNING_MAX, WEIGHTS (in S's memory), RESCALE,
+    RUNNING_SUM, RUNNING_VALUES on the tile's rows of ``stats = (m, l, O)``."""
+    t0, t1, s0, s1 = tile[:4]
+    _, S = _logits(op, mask, pattern, at, tile)
+    m_old, l_t = stats[0][:, t0:t1], stats[1][:, t0:t1]
+    m_new = torch.maximum(m_old, S.amax(-1, keepdim=True))  # RUNNING_MAX
+    m_safe = m_new.masked_fill(m_new == -_INF, 0.0)  # no key yet: exp(−∞ − 0) = 0
+    P = _exp(S, m_safe, tile[4] or mask is not None)  # WEIGHTS, in S's memory
+    c = m_old.sub(m_safe).exp_()  # RESCALE
+    l_t.mul_(c).add_(P.sum(-1, keepdim=True))  # RUNNING_SUM
+    _dropped(P, op, tile, drop)  # after the sum: the denominator is not dropped
+    stats[2][:, t0:t1].mul_(c).baddbmm_(P, op.per_head(op.v, s0, s1))  # RUNNING_VALUES
+    m_old.copy_(m_new)
+
+
+def _fixed_step(op: Operands, mask, pattern, at, tile, stats, drop) -> None:
+    """One tile where every score is bounded (:func:`_bounded`), so that the shift ``m`` is
+    0 throughout: ``P = exp(S)`` (then times the tile's ``keep``), ``l += sum_σ P``,
+    ``O += P V_b``: WEIGHTS, RUNNING_SUM and RUNNING_VALUES with ``c = 1``."""
+    t0, t1, s0, s1 = tile[:4]
+    P = _scores(op, t0, t1, s0, s1).exp_()
+    _kept(P, op, pattern, at, tile)
+    stats[1][:, t0:t1].add_(P.sum(-1, keepdim=True))
+    _dropped(P, op, tile, drop)
+    stats[2][:, t0:t1].baddbmm_(P, op.per_head(op.v, s0, s1))
+
+
+def _dropped(P: torch.Tensor, op: Operands, tile, drop) -> torch.Tensor:
+    """``P ∘ R`` in P's memory, ``R`` the tile's dropout mask (P itself without dropout)."""
+    if drop is not None:
+        P.mul_(drop.weights(tile, (op.n, op.heads, *P.shape[1:]), P.device,
+                            P.dtype).view(P.shape))
+    return P
+
+
+def _kept(P: torch.Tensor, op: Operands, pattern, at, tile) -> None:
+    """``P`` times the tile's mask (1 where a key may be seen, 0 where not), in P's memory:
+    the plan's ``keep``, or the pieces ``which`` evaluated on the tile's indices."""
+    keep = tile.keep
+    if keep is None and tile.which:
+        keep = pattern.allowed(at.tile(slice(tile.t0, tile.t1), slice(tile.s0, tile.s1)),
+                               tile.which)
+    if keep is not None:
+        P.view(op.n, op.heads, *P.shape[1:])[..., tile.c0:].mul_(keep)
 
 
 # -- a few queries: split keys (flash-decoding) ----------------------------------------------
@@ -193,14 +295,14 @@ def _split_forward(Q, K, V, mask, pattern, block_size: int, reach):
     if s1 <= s0:  # no admissible key: Z = 0, lse = −∞ (or the sink's s_μ)
         lse = lse_b[0][..., 0] if lse_b else Q.new_full((n, n_heads, L_q), -_INF)
         return Q.new_zeros((n, n_heads, L_q, V.shape[3]), dtype=out_dtype), lse
-    _, S = _tile_logits(Q, K, mask, pattern, pattern.grid(), (0, L_q, s0, s1, partial),
-                        acc)
+    S = attention_scores(Q, K[:, :, s0:s1])  # a new tensor
+    S = _masked(S, mask, pattern, pattern.grid(), (0, L_q, s0, s1, partial))
     short = -(s1 - s0) % block_size  # the last block, filled up with −∞ (no key)
     blocks = _F.pad(S, (0, short), value=-_INF) if short else S
     lse_b.insert(0, torch.logsumexp(torch.unflatten(blocks, -1, (-1, block_size)), dim=-1))
     lse = torch.logsumexp(torch.cat(lse_b, dim=3) if len(lse_b) > 1 else lse_b[0], dim=-1)
     dead = mask is not None or partial  # where no row can lack a key, lse is finite
-    A = S.sub_((for_backward(lse) if dead else lse)[..., None]).exp_()  # 0 in a dead row
+    A = _exp(S, (for_backward(lse) if dead else lse)[..., None], dead)  # 0 in a dead row
     return weighted_values(A, V[:, :, s0:s1]).to(out_dtype), lse
 
 
@@ -214,37 +316,77 @@ def backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: 
              drop: TileDropout | None = None):
     """``(dQ, dK, dV, dM, ds, dT)`` over the tiles, each recomputing ``P = exp(S − lse)``
     from the forward's ``lse`` as :func:`for_backward` reads it (dM where ``mask_grad``, ds
-    where the pattern has sinks, dT: the gradients of the pattern's ``tensors``)."""
-    g = K.shape[1]
-    acc, dtypes = accumulator(Q.dtype), (Q.dtype, K.dtype, V.dtype)
-    Q, K, V, Z, dZ = (t.to(acc) for t in (Q, K, V, Z, dZ))  # every tile in ≥ float32
-    D = (dZ * Z).sum(dim=-1)  # D[n μ τ] = Σ_a dZ Z = Σ_σ P dP
-    dQ, dK, dV = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (Q, K, V))
-    dM = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask_grad else None
-    dT = [torch.zeros_like(t) for t in pattern.tensors]
-    at = pattern.grid()
-    for tile in tiles(pattern, block_size):
-        tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
-        S, logits = _tile_logits(Q, K, mask, pattern, at, tile, acc)
-        P = logits.sub_(lse[:, :, tau, None]).exp_()  # the forward's weights A, for this tile
-        Q_t, dZ_t, K_b, V_b = Q[:, :, tau], dZ[:, :, tau], K[:, :, sigma], V[:, :, sigma]
-        R = None if drop is None else drop.weights(tile, P.shape, P.device, acc)
-        dV[:, :, sigma] += VALUE_GRADS(P=P if R is None else P * R, dZ_t=dZ_t, g=g)
-        dP = PROB_GRADS(dZ_t=dZ_t, V_b=V_b)
-        dP = dP if R is None else dP.mul_(R)  # through the dropout: dA = R ∘ (dZ V)
-        dS = dP.sub_(D[:, :, tau, None]).mul_(P)  # dS = P ∘ (dP − D), in dP's memory
-        if dM is not None:  # M is added to the logits, so dM = dS, summed where it broadcasts
-            target = _mask_tile(dM, tau, sigma)
-            axes = _broadcast_axes(target.shape, dS.shape)
-            target += (dS.sum(dim=axes, keepdim=True) if axes else dS).to(dM.dtype)
-        if pattern.scores:  # through cap(S) + B back to S (and what a ScoreMod captures)
-            dS, tensor_grads = pattern.score_grad(S, dS, at.tile(tau, sigma))
-            for total, part in zip(dT, tensor_grads, strict=True):
-                total += part
-        dQ[:, :, tau] += QUERY_GRADS(dS=dS, K_b=K_b)
-        dK[:, :, sigma] += KEY_GRADS(dS=dS, Q_t=Q_t, g=g)
-    grads = [d.to(dtype) for d, dtype in zip((dQ, dK, dV), dtypes, strict=True)]
-    return (*grads, dM, sink_grad(pattern.sinks, lse, D), dT)
+    where the pattern has sinks, dT: the gradients of the pattern's ``tensors``). Where the
+    scores are bounded (:func:`_bounded`), ``P = exp(S) e^{−lse}`` with ``e^{−lse}`` taken
+    into ``dZ`` and ``D`` once: ``dV = exp(S)ᵀ (dZ e^{−lse})``, ``dS = exp(S) ∘ (dP e^{−lse}
+    − D e^{−lse})``, one pass less per tile."""
+    acc, (n, heads, L_q, a_v) = accumulator(Q.dtype), Z.shape
+    op = Operands.of(Q, K, V, acc)  # every tile in ≥ float32
+    dZ3 = dZ.to(acc).reshape(n * heads, L_q, a_v)
+    D = (dZ3 * Z.to(acc).reshape(dZ3.shape)).sum(-1, keepdim=True)  # D = Σ_a dZ Z = Σ_σ P dP
+    grads = _Grads(torch.zeros_like(op.q), torch.zeros_like(op.k), torch.zeros_like(op.v),
+                   torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device)
+                   if mask_grad else None, [torch.zeros_like(t) for t in pattern.tensors])
+    lse3, at = lse.to(acc).reshape(D.shape), pattern.grid()
+    rows = (lse3, D, dZ3)
+    if _bounded(op, pattern, mask, dZ3):
+        w = torch.exp(-lse3)  # 0 in a row that saw no key (lse read as +∞)
+        rows = (None, D * w, dZ3 * w)
+    for tile in _plan(pattern, block_size, op):
+        _tile_backward(op, mask, pattern, at, tile, rows, grads, drop)
+    dQ, dK, dV = (d.view(T.shape).to(T.dtype) for d, T in
+                  ((grads.dQ.mul_(op.scale), Q), (grads.dK, K), (grads.dV, V)))
+    return dQ, dK, dV, grads.dM, sink_grad(pattern.sinks, lse, D.view(lse.shape)), grads.dT
+
+
+class _Grads(NamedTuple):
+    """What the backward accumulates over tiles: ``dQ[(n μ) τ a]`` (times √a until the
+    end), ``dK``, ``dV`` ``[(n g) σ a]``, a float mask's ``dM``, the score terms' ``dT``."""
+
+    dQ: torch.Tensor
+    dK: torch.Tensor
+    dV: torch.Tensor
+    dM: torch.Tensor | None
+    dT: list
+
+
+def _tile_backward(op: Operands, mask, pattern, at, tile, rows, grads: _Grads, drop):
+    """One tile's share of the gradients, from ``rows = (lse, D, dZ)`` of every query (or
+    ``(None, D e^{−lse}, dZ e^{−lse})``, where ``P = exp(S) e^{−lse}``)."""
+    t0, t1, s0, s1 = tile[:4]
+    lse, D, dZ = (None if x is None else x[:, t0:t1] for x in rows)
+    if lse is None:
+        S = P = _scores(op, t0, t1, s0, s1).exp_()
+        _kept(P, op, pattern, at, tile)
+    else:
+        S, logits = _logits(op, mask, pattern, at, tile)
+        P = _exp(logits, lse, tile[4] or mask is not None)  # the forward's weights A, here
+    R = None if drop is None else \
+        drop.weights(tile, (op.n, op.heads, *P.shape[1:]), P.device, P.dtype).view(P.shape)
+    op.add_grouped(grads.dV, s0, s1, (P if R is None else P * R).transpose(1, 2), dZ)
+    dP = op.product("dP", dZ, op.per_head(op.v, s0, s1).transpose(1, 2))  # PROB_GRADS
+    dP = dP if R is None else dP.mul_(R)  # through the dropout: dA = R ∘ (dZ V)
+    dS = dP.sub_(D).mul_(P)  # dS = P ∘ (dP − D), in dP's memory
+    if grads.dM is not None or pattern.scores:
+        dS = _through_terms(dS, S, grads, pattern, at, tile)
+    grads.dQ[:, t0:t1].baddbmm_(dS, op.per_head(op.k, s0, s1))  # QUERY_GRADS, times √a
+    op.add_grouped(grads.dK, s0, s1, dS.transpose(1, 2), op.q[:, t0:t1])  # KEY_GRADS
+
+
+def _through_terms(dS: torch.Tensor, S, grads: _Grads, pattern, at, tile) -> torch.Tensor:
+    """A float mask's gradient ``dM += dS`` (summed where it broadcasts), and ``dS`` back
+    through ``cap(S) + B`` to S (adding what a ScoreMod captures to ``dT``)."""
+    tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
+    dS4 = dS.view(S.shape)
+    if grads.dM is not None:  # M is added to the logits: dM = dS, summed where it broadcasts
+        target = _mask_tile(grads.dM, tau, sigma)
+        axes = _broadcast_axes(target.shape, dS4.shape)
+        target += (dS4.sum(dim=axes, keepdim=True) if axes else dS4).to(target.dtype)
+    if pattern.scores:  # through cap(S) + B back to S (and what a ScoreMod captures)
+        dS4, tensor_grads = pattern.score_grad(S, dS4, at.tile(tau, sigma))
+        for total, part in zip(grads.dT, tensor_grads, strict=True):
+            total += part
+    return dS4.reshape(dS.shape)
 
 
 def sink_grad(sinks, lse, D):
