@@ -24,18 +24,20 @@ def pairs_by_hand(L: int, keep) -> int:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_pattern_flops_count_the_pairs_each_pattern_keeps(mode):
     """n=2, μ=3, L=13, a=5, w=4: 4·n·μ·a FLOP per kept pair (×3.5 forward+backward), the
-    pairs counted one by one: the window's, causal's, the packed documents' (causal in each
-    document); a form the section does not name is not rated."""
+    pairs counted one by one: the window's, causal's, the packed documents' (block-diagonal,
+    not causal: every pair inside a document); a form the section does not name is not
+    rated."""
     size = bench.PatternSize(2, 3, 13, 5, 4)
     d = bench.patterns.document_ids(13)[0].tolist()
     kept = {"window": pairs_by_hand(13, lambda t, s: t - 4 < s <= t),
             "causal": pairs_by_hand(13, lambda t, s: s <= t),
-            "documents": pairs_by_hand(13, lambda t, s: s <= t and d[t] == d[s])}
+            "documents": pairs_by_hand(13, lambda t, s: d[t] == d[s])}
     assert kept["window"] == 1 + 2 + 3 + 4 * 10 and kept["causal"] == 13 * 14 // 2
-    assert len(set(d)) == 8 and kept["causal"] > kept["documents"] > 13
+    assert len(set(d)) == 8 and kept["documents"] == sum(d.count(k) ** 2 for k in set(d))
     for name, pattern in (("chunked", "window"), ("sdpa_dense", "window"),
                           ("chunked_mask", "window"), ("chunked_causal", "causal"),
-                          ("chunked_documents", "documents"), ("sdpa_documents", "documents")):
+                          ("sdpa_causal", "causal"), ("chunked_documents", "documents"),
+                          ("sdpa_documents", "documents"), ("flex_documents", "documents")):
         assert bench.pattern_flops(size, name, mode) == 4 * 2 * 3 * 5 * kept[pattern] \
             * MODES[mode], name
     assert bench.pattern_flops(size, "a form not named", mode) is None

@@ -37,8 +37,9 @@ LINEAR_TIMES = {"forward": 1.0, "forward+backward": 3.0}  # dX and dW: 2 × forw
 # The pattern each form of the patterns section computes (a form not named is not rated).
 PATTERN_OF = {**dict.fromkeys(("sdpa_dense", "chunked", "chunked_maskmod", "chunked_mask",
                                "einsum", "flex_compiled", "flex"), "window"),
-              "chunked_causal": "causal", "sdpa_documents": "documents",
-              "chunked_documents": "documents"}
+              **dict.fromkeys(("chunked_causal", "sdpa_causal"), "causal"),
+              **dict.fromkeys(("sdpa_documents", "chunked_documents", "flex_documents"),
+                              "documents")}
 
 
 def attention_flops(n: int, heads: int, pairs: int, d_head: int, mode: str) -> float:
