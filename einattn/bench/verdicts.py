@@ -122,13 +122,52 @@ def _patterns(report: Report) -> list[Target]:
     return [
         *_against(report, "window: chunked ≤ 0.3× SDPA (dense mask)", "chunked", "sdpa_dense",
                   0.3, rows, f"{size.label} both modes", skipped),
-        *_against(report, "window: chunked ≤ 1.5× compiled flex", "chunked", "flex_compiled",
-                  1.5, forward, f"{size.label} forward", skipped),
+        *_against(report, "window: chunked ≤ 1.0× compiled flex", "chunked", "flex_compiled",
+                  1.0, forward, f"{size.label} forward", skipped),
         *_against(report, 'window: impl="flex" ≤ 1.1× compiled flex', "flex", "flex_compiled",
                   1.1, forward, f"{size.label} forward", skipped),
         _window_memory(report),
         *_own(report, rows, size),
+        *_ahead(report, rows, size),
     ]
+
+
+_AHEAD_FORMS = ("chunked_documents", "flex_documents", "chunked_causal", "sdpa_causal")
+
+
+def _ahead(report: Report, rows: list[Row], size) -> list[Target]:
+    """Issue 38's targets: the window under a fifth of the dense SDPA, packed documents ahead
+    of their compiled FlexAttention, training at most 2.5× the forward, dense causal within
+    1.25× SDPA's flash kernel."""
+    if not any(name in r.timings for r in rows for name in _AHEAD_FORMS):
+        return []
+    forward = [r for r in rows if r.mode == "forward"]
+    training = [r for r in rows if r.mode == _TRAINING]
+    at, skipped = f"{size.label} forward", report.patterns.skipped
+    return [
+        *_against(report, "window: chunked ≤ 0.2× SDPA (dense mask)", "chunked", "sdpa_dense",
+                  0.2, forward, at, skipped),
+        *_against(report, "documents: chunked ≤ 1.0× compiled flex", "chunked_documents",
+                  "flex_documents", 1.0, forward, at, skipped),
+        *(_training_cost(f"{what}: chunked {_TRAINING} ≤ 2.5× forward", name, forward,
+                         training, skipped)
+          for name, what in (("chunked", "window"), ("chunked_documents", "documents"))),
+        *_against(report, "causal: chunked ≤ 1.25× SDPA is_causal", "chunked_causal",
+                  "sdpa_causal", 1.25, training, f"{size.label} {_TRAINING}", skipped),
+    ]
+
+
+def _training_cost(label: str, name: str, forward: list[Row], training: list[Row],
+                   skipped: dict[str, str]) -> Target:
+    """``name``'s forward+backward median over its forward median at one size."""
+    pairs = [(t.timings[name], f.timings[name]) for f in forward for t in training
+             if t.size == f.size and name in f.timings and name in t.timings]
+    if not pairs:
+        return Target(label, "forward and forward+backward", None, 2.5,
+                      note=skipped.get(name, "not run in both modes"))
+    both, alone = pairs[0]
+    return Target(label, forward[0].size.label, both.median / alone.median, 2.5,
+                  _spread(both, alone))
 
 
 def _own(report: Report, rows: list[Row], size) -> list[Target]:
