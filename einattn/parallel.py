@@ -329,21 +329,27 @@ class SequenceParallel:
                 cache=None, document_ids=None, pattern=None):
         """``Y[n τ i]`` for this rank's tokens ``x`` ``(n, L/R, d_model)``: the layer's
         composition, equations (1)–(5), with (2)–(4) over the whole sequence, round the ring.
-        ``key_padding_mask``: bool ``(n, L/R)``, True = padding, this rank's part."""
+        ``key_padding_mask``: bool ``(n, L/R)``, True = padding, and ``document_ids``:
+        integers ``(n, L/R)``, the document ``d[n τ]`` of each token: this rank's parts, as
+        :func:`split_sequence` cuts them (the ids are gathered, ``n·L`` integers, so that
+        each pair of chunks sees its keys' documents, and pairs that share none are
+        skipped)."""
         _refuse_in_sequence(context=context, mask=mask, need_weights=need_weights,
                             return_intermediates=return_intermediates, positions=positions,
-                            cache=cache, document_ids=document_ids,
-                            dropout=self.dropout if self.training else 0.0)
+                            cache=cache, dropout=self.dropout if self.training else 0.0)
         spec = self._call_spec(impl)
         w = self._attention_weights()
         self._check_input("x", x, w["W"])
         L = ring.check_length(x.shape[1] * self.ring.world, self.ring.world, self.layout,
                               what="the whole sequence (x's length × the mesh size)")
-        _check_padding(key_padding_mask, x)
+        _check_part("key_padding_mask", key_padding_mask, x, "bool")
+        if _check_part("document_ids", document_ids, x, "integers"):
+            document_ids = gather_sequence(document_ids, self.device_mesh, layout=self.layout)
         t = ring.positions(self.ring.rank, self.ring.world, x.shape[1], self.layout)
         call = composition.Call(key_padding_mask=key_padding_mask, pattern=pattern,
                                 causal=spec.causal if causal is None else causal,
-                                positions=t.to(x.device) if spec.rope else None)
+                                positions=t.to(x.device) if spec.rope else None,
+                                document_ids=document_ids)
         block_size = _block_size(spec.impl, spec.block_size, L)
         return composition.multi_head(x, w, spec, call, functools.partial(
             _ring_attention, self.ring, block_size))
@@ -362,7 +368,6 @@ _ELSEWHERE = {
     "positions": "each rank's positions follow from the layout (einattn.ring.positions)",
     "cache": "a KVCache is for decoding, one token at a time: decode with the layer "
              "unsharded (its parameters are the same on every rank)",
-    "document_ids": "packed documents are not cut with the ring yet",
     "dropout": "each block runs the chunked path's tiles, and the ring draws no dropout "
                "masks across ranks: call layer.eval() or build the layer with dropout=0",
 }
@@ -384,15 +389,20 @@ def _refuse_in_sequence(**given) -> None:
         raise EinattnError(f"a sequence-parallel layer takes no {name}: {_ELSEWHERE[name]}")
 
 
-def _check_padding(key_padding_mask, x: torch.Tensor) -> None:
-    """``key_padding_mask`` is None or bool ``(n, L/R)``, this rank's part."""
-    if key_padding_mask is None:
-        return
-    if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != x.shape[:2]:
-        raise EinattnError(f"key_padding_mask is {key_padding_mask.dtype} of shape "
-                           f"{tuple(key_padding_mask.shape)}, but a sequence-parallel layer "
-                           f"needs bool (n, L/R) = {tuple(x.shape[:2])}: this rank's part, "
-                           f"as split_sequence cuts it")
+def _check_part(name: str, t, x: torch.Tensor, kind: str) -> bool:
+    """Whether ``t`` is given, once it is this rank's part ``(n, L/R)``, of ``kind`` "bool"
+    (``key_padding_mask``) or "integers" (``document_ids``)."""
+    if t is None:
+        return False
+    if isinstance(t, torch.Tensor) and tuple(t.shape) == x.shape[:2] and (
+            t.dtype == torch.bool if kind == "bool" else
+            not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)):
+        return True
+    got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else \
+        type(t).__name__
+    raise EinattnError(f"{name} is {got}, but a sequence-parallel layer needs {kind} "
+                       f"(n, L/R) = {tuple(x.shape[:2])}: this rank's part, as "
+                       f"split_sequence cuts it")
 
 
 def _block_size(impl: str, block_size: int, L: int) -> int:

@@ -20,7 +20,7 @@ from einattn import EinattnError, MultiHeadAttention, patterns, ring
 from einattn import parallel as par
 
 F64 = torch.float64
-TOL = 1e-10
+TOL = 1e-12
 # n, L (cut into 4 or 6 chunks by 2 or 3 ranks), d_model, μ, a (even, for RoPE), g.
 N, L, D, MU, A, G = 3, 12, 11, 6, 4, 2
 BLOCK = 2  # chunked: several tiles in every chunk of 2, 3, 4 or 6 positions
@@ -58,6 +58,18 @@ def padding_for(options: str) -> torch.Tensor | None:
     return pad
 
 
+def documents_for(options: str) -> torch.Tensor | None:
+    """Document ids ``d[n τ]`` ``(n, L)`` crossing the chunks of 2, 3, 4 and 6 positions:
+    sample 0 three documents of 3, 3 and 6 tokens, sample 1 one, sample 2 three of 4, 5 and 3
+    tokens with ids out of order; "same documents": three of 4 on every sample, so that
+    pairs of chunks that share none are skipped."""
+    if "documents" not in options:
+        return None
+    if "same documents" in options:
+        return torch.arange(3).repeat_interleave(4).expand(N, L).clone()
+    return torch.tensor([[0] * 3 + [1] * 3 + [2] * 6, [7] * 12, [4] * 4 + [1] * 5 + [9] * 3])
+
+
 def own_pattern(bias: torch.Tensor) -> list:
     """Pieces of one's own, read at global positions: a Mask string (chunks of 4 positions,
     and the first 3 keys for every query), a MaskMod and a ScoreMod capturing ``bias``."""
@@ -75,19 +87,19 @@ def compare(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
     biases = [randn(MU, 17, seed=7).requires_grad_() for _ in range(2)]
     if "own" in options:
         ref.pattern, lay.pattern = own_pattern(biases[0]), own_pattern(biases[1])
-    x, T, pad = randn(N, L, D, seed=1, requires_grad=True), randn(N, L, D, seed=2), \
-        padding_for(options)
-    (ref(x, key_padding_mask=pad) * T).sum().backward()
+    x, T, pad, ids = randn(N, L, D, seed=1, requires_grad=True), randn(N, L, D, seed=2), \
+        padding_for(options), documents_for(options)
+    (ref(x, key_padding_mask=pad, document_ids=ids) * T).sum().backward()
 
     def mine(t):
         return None if t is None else par.split_sequence(t, mesh, layout=layout)
 
     x_k = mine(x.detach()).requires_grad_()
     pad_k = None if pad is None else mine(pad).T.contiguous().T  # strided, as a slice is
-    Y_k = lay(x_k, key_padding_mask=pad_k)
+    Y_k = lay(x_k, key_padding_mask=pad_k, document_ids=mine(ids))
     (Y_k * mine(T)).sum().backward()
     errors = {"Y": scaled_error(par.gather_sequence(Y_k.detach(), mesh, layout=layout),
-                                ref(x, key_padding_mask=pad).detach()),
+                                ref(x, key_padding_mask=pad, document_ids=ids).detach()),
               "dx": scaled_error(par.gather_sequence(x_k.grad, mesh, layout=layout), x.grad)}
     for name, p in lay.named_parameters():
         dist.all_reduce(p.grad)  # each rank's grad is its tokens' share
@@ -101,7 +113,9 @@ def compare(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
 
 
 CASES = ["causal gqa rope", "padding", "causal gqa padding",
-         "causal window softcap sinks gqa padding", "window alibi rope", "causal own gqa padding"]
+         "causal window softcap sinks gqa padding", "window alibi rope", "causal own gqa padding",
+         "causal documents gqa rope padding", "documents window softcap sinks alibi",
+         "same documents gqa"]
 for _layout in ring.LAYOUTS:
     for _impl in ("chunked", "einsum"):
         for _options in CASES:
@@ -169,8 +183,14 @@ def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
         "2-D mesh": (lambda: par.shard_sequence(make_layer("", "chunked"),
                                                 init_device_mesh("cpu", (1, R))),
                      r"shard_sequence needs a 1-D device mesh, got 2-D"),
-        "documents": (lambda: sharded()(x, document_ids=torch.zeros(N, L // R, dtype=int)),
-                      r"takes no document_ids: packed documents are not cut with the ring"),
+        "documents whole": (lambda: sharded()(x, document_ids=torch.zeros(N, L, dtype=int)),
+                            rf"document_ids is torch.int64 of shape \({N}, {L}\), but a "
+                            rf"sequence-parallel layer needs integers \(n, L/R\) = "
+                            rf"\({N}, {L // R}\): this rank's part"),
+        "documents float": (lambda: sharded()(x, document_ids=torch.zeros(N, L // R)),
+                            r"document_ids is torch.float32 of shape .* needs integers"),
+        "padding list": (lambda: sharded()(x, key_padding_mask=[[True]]),
+                         r"key_padding_mask is list, but a sequence-parallel layer needs bool"),
         "dynamic rope": (lambda: par.shard_sequence(
             MultiHeadAttention(8, 2, rope="half", rope_scaling={
                 "rope_type": "dynamic", "factor": 2.0,
@@ -301,6 +321,31 @@ def test_pairs_follow_the_chunks_global_order():
     assert len(ring.pairs((1, 2), (2, 0), 4, whole())) == 4
     (_, _, p), *_ = ring.pairs((1, 2), (2, 0), 4, window)
     assert p.masks == (patterns.Window(3),) and (p.frame.q0, p.frame.k0) == (4, 0)
+
+
+def test_pairs_that_share_no_document_are_skipped():
+    """With the whole sequence's document ids, a pair of chunks none of whose queries shares
+    a document with its keys is skipped (as causal skips a later chunk); a pair of one
+    document each side is whole (no mask work); within a pair, the tiles between two
+    documents are skipped."""
+    def whole(options):
+        return patterns.build(n=N, n_heads=1, L_q=L, L_k=L, dtype=torch.float64,
+                              device="cpu", document_ids=documents_for(options))
+    same = whole("same documents")  # documents [0, 4), [4, 8), [8, 12) on every n
+    kept = ring.pairs((0, 5), (0, 5), 2, same)  # 3 ranks, zigzag: rank 0's chunks 0 and 5
+    assert [(q, k) for q, k, _ in kept] == [(0, 0), (1, 1)]  # in documents 0 and 2
+    (_, _, p), = ring.pairs((3,), (2,), 2, same)  # positions 6, 7 against 4, 5: document 1
+    assert p.tiles(2) == [(0, 2, 0, 2, False)]
+    (_, _, p), = ring.pairs((1,), (0,), 3, same)  # 3, 4, 5 against 0, 1, 2: only 3 sees them
+    assert p.tiles(1) == [(0, 1, s, s + 1, False) for s in range(3)]
+    assert len(ring.pairs((0, 5), (0, 5), 2, whole("documents"))) == 4  # sample 1: one
+
+
+def test_documents_change_one_process_output():
+    """The ring's comparisons with documents could fail: the ids change the output."""
+    layer = make_layer("causal gqa", "chunked")
+    x = randn(N, L, D, seed=1)
+    assert (layer(x) - layer(x, document_ids=documents_for("documents"))).abs().max() > 0.1
 
 
 SINGLE_PROCESS_ERRORS = {
