@@ -11,19 +11,23 @@ process" is checked on every rank, in float64 at 1e-12 relative to scale.
 from __future__ import annotations
 
 import copy
-import traceback
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import TOL, randn
-from ranks import assert_on_every_rank, raise_sites, run_checks, scaled_error
+from ranks import (
+    assert_on_every_rank,
+    raised_in,
+    run_checks,
+    scaled_error,
+    unreached_raise_sites,
+)
 from torch import nn
 
 import einattn
-from einattn import EinattnError, MultiHeadAttention
+from einattn import MultiHeadAttention, _sharding, head_parallel
 from einattn import parallel as par
 
 WORLD = 2
@@ -258,13 +262,20 @@ def gather_heads_and_projections(mesh):
     return within(errors)
 
 
-def _raised_in_parallel_py(call, match: str) -> set[int]:
-    """Run ``call``, which must raise EinattnError matching ``match``; the line numbers of
-    einattn/parallel.py in its traceback."""
-    with pytest.raises(EinattnError, match=match) as info:
-        call()
-    here = Path(par.__file__).resolve()
-    return {f.lineno for f in traceback.extract_tb(info.tb) if Path(f.filename).resolve() == here}
+OWN = (head_parallel.__file__, _sharding.__file__)  # the modules whose raises are tested here
+
+
+def _raised_in_parallel_py(call, match: str) -> set[tuple[str, int]]:
+    """Run ``call``, which must raise EinattnError matching ``match``; the lines of
+    einattn/head_parallel.py and einattn/_sharding.py in its traceback."""
+    return raised_in(call, match, OWN)
+
+
+def _replicated_W(layer: MultiHeadAttention, mesh) -> MultiHeadAttention:
+    """``layer`` with its W a DTensor, as ``fully_shard`` or ``distribute_tensor`` leaves it."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    layer.W = nn.Parameter(distribute_tensor(layer.W.detach(), mesh, [Replicate()]))
+    return layer
 
 
 def distributed_errors(mesh) -> dict[str, tuple[object, str]]:
@@ -292,6 +303,10 @@ def distributed_errors(mesh) -> dict[str, tuple[object, str]]:
         "already sequence-parallel": (lambda: par.shard_heads(
             par.shard_sequence(make_layer(), mesh), mesh),
             r"already runs sequence-parallel over a mesh of size 2; shard a fresh copy"),
+        "DTensor parameter": (lambda: par.shard_heads(_replicated_W(make_layer(), mesh), mesh),
+                              r"shard_heads needs the layer's own parameters, but W is already "
+                              r"a DTensor \(fully_shard, or distribute_tensor\): call "
+                              r"shard_heads first, then fully_shard"),
         "per-head mask": (lambda: sharded()(randn(N, L_Q, D, seed=1),
                                             mask=torch.ones(N, 4, L_Q, L_Q, dtype=torch.bool)),
                           r"index 'μ' has size 4 in mask but 6 in the scores S\[n μ τ σ\] "
@@ -420,14 +435,14 @@ def test_forward_is_the_layers_own():
     MultiHeadAttention.forward (cache=, positions=, ...), now and after any that is added;
     a subclass of the layer keeps its own forward too."""
     assert "forward" not in vars(par.HeadParallel)
-    sharded = par._parallel_class(par.HeadParallel, MultiHeadAttention)
+    sharded = _sharding.parallel_class(par.HeadParallel, MultiHeadAttention)
     assert sharded.forward is MultiHeadAttention.forward
 
     class Mine(MultiHeadAttention):
         def forward(self, x, *, scale: float = 1.0):
             return super().forward(x) * scale
 
-    assert par._parallel_class(par.HeadParallel, Mine).forward is Mine.forward
+    assert _sharding.parallel_class(par.HeadParallel, Mine).forward is Mine.forward
 
 
 @pytest.mark.parametrize("name", list(SINGLE_PROCESS_ERRORS))
@@ -436,16 +451,13 @@ def test_bad_input_raises_einattn_error(name):
     _raised_in_parallel_py(call, match)
 
 
-def test_every_raise_site_in_parallel_py_is_reached(ranks):
-    """STYLE §4: each ``raise`` in einattn/parallel.py's head parallelism (and the checks
-    both parallelisms share) has a ``pytest.raises`` test, here or on the ranks."""
+def test_every_raise_site_of_head_parallelism_is_reached(ranks):
+    """STYLE §4: each ``raise`` in einattn/head_parallel.py (and in the checks every
+    parallelism shares, einattn/_sharding.py) has a ``pytest.raises`` test, here or on the
+    ranks."""
     reached = set()
     for call, match in SINGLE_PROCESS_ERRORS.values():
         reached |= _raised_in_parallel_py(call, match)
-    for results in ranks:
-        status, detail, _ = results["errors_with_a_mesh"]
-        assert status == "ok", detail
-        reached |= set(detail["raise lines"])
-    sites = raise_sites(par.__file__, before="# -- sequence parallelism")  # after: test_ring
-    assert sites - reached == set(), f"raise sites with no test: lines {sorted(sites - reached)}"
+    unreached = unreached_raise_sites(ranks, *OWN) - reached
+    assert not unreached, f"raise sites with no test: {sorted(unreached)}"
 

@@ -1,6 +1,7 @@
 """einattn.parallel.shard_sequence: ring attention on 2 and 3 gloo processes on the CPU, in
-float64, checked against one process running the whole sequence: the gathered output, the
-gathered gradient of the input, and the parameter gradients summed over the ranks.
+float64, checked against one process running the whole sequence (the cases of
+tests/sequence_cases.py, packed documents among them): the gathered output, the gathered
+gradient of the input, and the parameter gradients summed over the ranks.
 einattn.ring's layouts, schedule and merge, in this process.
 """
 
@@ -11,19 +12,32 @@ from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import randn
-from ranks import assert_on_every_rank, raise_sites, run_checks, scaled_error
+from ranks import (
+    assert_on_every_rank,
+    raised_in,
+    run_checks,
+    scaled_error,
+    unreached_raise_sites,
+)
+from sequence_cases import (
+    F64,
+    MU,
+    TOL,
+    A,
+    D,
+    L,
+    N,
+    compare,
+    documents_for,
+    make_layer,
+    reference,
+)
 from torch import nn
 
-from einattn import EinattnError, MultiHeadAttention, patterns, ring
+from einattn import EinattnError, MultiHeadAttention, patterns, ring, sequence_parallel
 from einattn import parallel as par
 
-F64 = torch.float64
-TOL = 1e-12
-# n, L (cut into 4 or 6 chunks by 2 or 3 ranks), d_model, μ, a (even, for RoPE), g.
-N, L, D, MU, A, G = 3, 12, 11, 6, 4, 2
-BLOCK = 2  # chunked: several tiles in every chunk of 2, 3, 4 or 6 positions
 CHECKS: dict[str, object] = {}
 
 
@@ -32,94 +46,21 @@ def check(fn=None, *, name=None):
     return fn
 
 
-def make_layer(options: str, impl: str) -> MultiHeadAttention:
-    """A float64 layer with every parameter (the sinks too) random, the same on every rank;
-    a window of 5 keys reaches across chunks of 2, 3, 4 or 6."""
-    layer = MultiHeadAttention(D, MU, d_head=A, n_kv_heads=G if "gqa" in options else None,
-                               bias=True, dtype=F64, impl=impl, block_size=BLOCK,
-                               causal="causal" in options,
-                               rope="half" if "rope" in options else None,
-                               window=5 if "window" in options else None,
-                               softcap=1.5 if "softcap" in options else None,
-                               alibi="alibi" in options, sinks="sinks" in options)
-    with torch.no_grad():
-        for k, p in enumerate(layer.parameters()):
-            p.copy_(randn(*p.shape, seed=k) * p.shape[-1] ** -0.5)
-    return layer
-
-
-def padding_for(options: str) -> torch.Tensor | None:
-    """Key padding ``(n, L)``: sample 0 its last five positions, sample 1 its first two (so
-    its first rows see no key under causal), sample 2 every key (no row sees one)."""
-    if "padding" not in options:
-        return None
-    pad = torch.zeros(N, L, dtype=torch.bool)
-    pad[0, -5:], pad[1, :2], pad[2] = True, True, True
-    return pad
-
-
-def documents_for(options: str) -> torch.Tensor | None:
-    """Document ids ``d[n τ]`` ``(n, L)`` crossing the chunks of 2, 3, 4 and 6 positions:
-    sample 0 three documents of 3, 3 and 6 tokens, sample 1 one, sample 2 three of 4, 5 and 3
-    tokens with ids out of order; "same documents": three of 4 on every sample, so that
-    pairs of chunks that share none are skipped."""
-    if "documents" not in options:
-        return None
-    if "same documents" in options:
-        return torch.arange(3).repeat_interleave(4).expand(N, L).clone()
-    return torch.tensor([[0] * 3 + [1] * 3 + [2] * 6, [7] * 12, [4] * 4 + [1] * 5 + [9] * 3])
-
-
-def own_pattern(bias: torch.Tensor) -> list:
-    """Pieces of one's own, read at global positions: a Mask string (chunks of 4 positions,
-    and the first 3 keys for every query), a MaskMod and a ScoreMod capturing ``bias``."""
-    def relative(s, b, h, q, kv):
-        return s + bias[h, (q - kv).clamp(-8, 8) + 8]
-    return [patterns.Mask("⌊τ / 4⌋ = ⌊σ / 4⌋ ∨ σ < 3"),
-            patterns.MaskMod(lambda b, h, q, kv: (q - kv) % 5 != 1), patterns.ScoreMod(relative)]
-
-
-def compare(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
-    """The sequence-parallel layer against the same layer on the whole sequence (with
-    pieces of one's own: the gradient of the tensor a ScoreMod captures too)."""
-    ref = make_layer(options, impl)
-    lay = par.shard_sequence(copy.deepcopy(ref), mesh, layout=layout)
-    biases = [randn(MU, 17, seed=7).requires_grad_() for _ in range(2)]
-    if "own" in options:
-        ref.pattern, lay.pattern = own_pattern(biases[0]), own_pattern(biases[1])
-    x, T, pad, ids = randn(N, L, D, seed=1, requires_grad=True), randn(N, L, D, seed=2), \
-        padding_for(options), documents_for(options)
-    (ref(x, key_padding_mask=pad, document_ids=ids) * T).sum().backward()
-
-    def mine(t):
-        return None if t is None else par.split_sequence(t, mesh, layout=layout)
-
-    x_k = mine(x.detach()).requires_grad_()
-    pad_k = None if pad is None else mine(pad).T.contiguous().T  # strided, as a slice is
-    Y_k = lay(x_k, key_padding_mask=pad_k, document_ids=mine(ids))
-    (Y_k * mine(T)).sum().backward()
-    errors = {"Y": scaled_error(par.gather_sequence(Y_k.detach(), mesh, layout=layout),
-                                ref(x, key_padding_mask=pad, document_ids=ids).detach()),
-              "dx": scaled_error(par.gather_sequence(x_k.grad, mesh, layout=layout), x.grad)}
-    for name, p in lay.named_parameters():
-        dist.all_reduce(p.grad)  # each rank's grad is its tokens' share
-        errors[f"d{name}"] = scaled_error(p.grad, getattr(ref, name).grad)
-    if "own" in options:  # a captured tensor's, as a parameter's
-        dist.all_reduce(biases[1].grad)
-        errors["dbias"] = scaled_error(biases[1].grad, biases[0].grad)
-    bad = {k: e for k, e in errors.items() if not e <= TOL}
-    assert not bad, f"errors above {TOL:g}: {bad}"
-    return errors
+def sequence_only(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
+    """The sequence-parallel layer against the same layer on the whole sequence."""
+    ref, lay = reference(options, impl)
+    return compare(par.shard_sequence(lay, mesh, layout=layout), ref, mesh, layout=layout,
+                   options=options)
 
 
 CASES = ["causal gqa rope", "padding", "causal gqa padding",
          "causal window softcap sinks gqa padding", "window alibi rope", "causal own gqa padding",
          "causal documents gqa rope padding", "documents window softcap sinks alibi",
-         "same documents gqa"]
+         "same documents gqa", "prefix gqa rope", "local window alibi padding"]
 for _layout in ring.LAYOUTS:
     for _impl in ("chunked", "einsum"):
         for _options in CASES:
-            check(partial(compare, layout=_layout, impl=_impl, options=_options),
+            check(partial(sequence_only, layout=_layout, impl=_impl, options=_options),
                   name=f"compare[{_layout}, {_impl}, {_options}]")
 
 
@@ -128,12 +69,15 @@ def data_parallel_averages_per_rank_means(mesh):
     """Under DistributedDataParallel (which averages the ranks' gradients), a loss that is
     each rank's mean over its own tokens gives the gradient of the mean over all of them."""
     ref = make_layer("causal gqa rope", "chunked")
-    lay = nn.parallel.DistributedDataParallel(par.shard_sequence(copy.deepcopy(ref), mesh))
+    lay = nn.parallel.DistributedDataParallel(par.shard_sequence(copy.deepcopy(ref), mesh),
+                                              process_group=mesh.get_group())  # its ranks'
     x = randn(N, L, D, seed=3)
     ref(x).square().mean().backward()
     lay(par.split_sequence(x, mesh)).square().mean().backward()
-    return {f"d{name}": scaled_error(p.grad, getattr(ref, name).grad)
-            for name, p in lay.module.named_parameters()}
+    errors = {f"d{name}": scaled_error(p.grad, getattr(ref, name).grad)
+              for name, p in lay.module.named_parameters()}
+    assert max(errors.values()) <= TOL, errors
+    return errors
 
 
 @check
@@ -176,7 +120,7 @@ def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
     return {
         **calls,
         "not divisible": (lambda: sharded()(randn(N, 5, D, seed=6)),
-                          rf"the whole sequence \(x's length × the mesh size\) has {5 * R} "
+                          rf"the whole sequence \(x's length × the mesh size {R}\) has {5 * R} "
                           rf"positions, which layout='zigzag' cannot cut into {2 * R} equal"),
         "split not divisible": (lambda: par.split_sequence(torch.ones(2, 2 * R + 1), mesh),
                                 r"dim 1 of t has \d+ positions.*pad the sequence to a multiple"),
@@ -219,21 +163,12 @@ def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
 
 @check
 def errors_with_a_mesh(mesh):
-    """Each raise that needs a mesh; returns the lines of einattn/parallel.py that raised."""
+    """Each raise that needs a mesh; returns the lines of einattn/sequence_parallel.py that
+    raised."""
     lines = set()
     for call, match in sequence_errors(mesh).values():
-        with pytest.raises(EinattnError, match=match) as info:
-            call()
-        lines |= {f.lineno for f in _frames(info.tb, par.__file__)}
+        lines |= raised_in(call, match, [sequence_parallel.__file__])
     return {"raise lines": sorted(lines)}
-
-
-def _frames(tb, path: str):
-    import traceback
-    from pathlib import Path
-
-    here = Path(path).resolve()
-    return [f for f in traceback.extract_tb(tb) if Path(f.filename).resolve() == here]
 
 
 # -- the processes --------------------------------------------------------------------------
@@ -250,15 +185,10 @@ def test_on_every_rank(ranks, name):
 
 
 def test_every_raise_site_of_sequence_parallelism_is_reached(ranks):
-    """STYLE §4: each ``raise`` in the sequence-parallel part of einattn/parallel.py has a
-    ``pytest.raises`` test on the ranks."""
-    reached = set()
-    for results in ranks:
-        status, detail, _ = results["errors_with_a_mesh"]
-        assert status == "ok", detail
-        reached |= set(detail["raise lines"])
-    sites = raise_sites(par.__file__, after="# -- sequence parallelism")
-    assert sites - reached == set(), f"raise sites with no test: lines {sorted(sites - reached)}"
+    """STYLE §4: each ``raise`` in einattn/sequence_parallel.py has a ``pytest.raises`` test
+    on the ranks."""
+    unreached = unreached_raise_sites(ranks, sequence_parallel.__file__)
+    assert not unreached, f"raise sites with no test: {sorted(unreached)}"
 
 
 # -- in this process ------------------------------------------------------------------------
