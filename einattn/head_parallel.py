@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from . import patterns
 from ._sharding import (
     Sharded,
     check_mesh,
@@ -165,8 +166,11 @@ class HeadParallel(Sharded):
 
     def _to_local_heads(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook: "f" on every input that requires a gradient (``x``,
-        ``context``, a float ``mask``), and a per-head mask cut to this rank's heads. The
+        ``context``, a float ``mask``), and a per-head mask cut to this rank's heads; the
+        layer's and the call's pieces of ``pattern`` checked to read no head index. The
         rest (``cache``, ``positions``, ...) reaches the layer's forward as it is."""
+        _check_heads_free(self.pattern + patterns.pieces_of(kwargs.get("pattern")),
+                          self.local_heads, self.W.device)
         args = tuple(_replicated(t, self.heads_mesh) for t in args)
         kwargs = {k: _replicated(v, self.heads_mesh) for k, v in kwargs.items()}
         if "mask" in kwargs:
@@ -212,6 +216,35 @@ class HeadParallel(Sharded):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, mesh size={self.heads_mesh.size()}, "
                 f"local heads μ={self.local_heads.start}..{self.local_heads.stop - 1}")
+
+
+def _check_heads_free(pieces: tuple, local: range, device) -> None:
+    """No piece of ``pattern`` reads the head index μ, which on this rank counts its own
+    heads from 0 (the layer's ``local``): neither a sink nor ALiBi's slopes (the layer's
+    ``sinks=`` and ``alibi=`` go with their heads) nor a function or predicate of μ."""
+    if torch.compiler.is_compiling():
+        return
+    for piece in pieces:
+        if _reads_head(piece, device):
+            raise EinattnError(
+                f"the pattern piece {piece!r} reads the head index μ, but on a head-sharded "
+                f"layer μ counts the rank's own heads from 0 (here the layer's heads "
+                f"{local.start}..{local.stop - 1}): give ALiBi and sinks as the layer's "
+                f"alibi= and sinks=, which go with their heads; write a piece of one's own "
+                f"for each rank's heads, or shard by the sequence alone")
+
+
+def _reads_head(piece, device) -> bool:
+    """Whether ``piece`` reads μ: a sink, ALiBi's slopes, or a piece whose value (a mask's
+    ``allowed``, a function's own) at μ = 0, 1 runs along μ."""
+    if piece.KIND == "sink" or isinstance(piece, patterns.ALiBi):
+        return True
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
+    mu = torch.arange(2, device=device).view(1, 2, 1, 1)
+    with torch.no_grad():
+        out = piece.allowed(zero, mu, zero + 1, zero) if piece.KIND == "mask" else \
+            getattr(piece, "fn", piece.score)(zero.double(), zero, mu, zero + 1, zero)
+    return isinstance(out, torch.Tensor) and out.ndim == 4 and out.shape[1] == 2
 
 
 def _replicated(t, mesh: DeviceMesh):

@@ -27,7 +27,7 @@ from ranks import (
 from torch import nn
 
 import einattn
-from einattn import MultiHeadAttention, _sharding, head_parallel
+from einattn import MultiHeadAttention, _sharding, head_parallel, patterns
 from einattn import parallel as par
 
 WORLD = 2
@@ -153,6 +153,22 @@ CASES = [
 for _impl, _g, _options in CASES:
     check(partial(compare, n_kv_heads=_g, impl=_impl, options=_options),
           name=f"forward_backward[{_impl}, n_kv_heads={_g}, {_options}]")
+
+
+@check
+def pieces_of_positions(mesh):
+    """Pieces of one's own that read positions alone (a Mask string, a MaskMod, a ScoreMod
+    of the distance, a prefix LM, chunks) run on the rank's heads as on one device, the
+    layer's and the call's."""
+    bias = randn(17, seed=3)
+    own = [patterns.Mask("⌊τ / 3⌋ = ⌊σ / 3⌋ ∨ σ < 2"),
+           patterns.MaskMod(lambda b, h, q, kv: (q - kv) % 4 != 1),
+           patterns.ScoreMod(lambda s, b, h, q, kv: s + bias[(q - kv).clamp(-8, 8) + 8])]
+    ref = make_layer(n_kv_heads=G, impl="chunked", pattern=own)
+    lay = par.shard_heads(copy.deepcopy(ref), mesh)
+    call = inputs("causal padding")
+    extra = {"pattern": [patterns.PrefixLM(torch.tensor([2, 0, 5, 1])), patterns.ChunkedLocal(4)]}
+    return within({"Y": scaled_error(run(lay, call, **extra), run(ref, call, **extra))})
 
 
 @check
@@ -311,7 +327,22 @@ def distributed_errors(mesh) -> dict[str, tuple[object, str]]:
                                             mask=torch.ones(N, 4, L_Q, L_Q, dtype=torch.bool)),
                           r"index 'μ' has size 4 in mask but 6 in the scores S\[n μ τ σ\] "
                           r"\(all heads, before sharding\)"),
+        **{f"{name} of μ": (lambda piece=piece: sharded()(randn(N, L_Q, D, seed=1),
+                                                          pattern=piece),
+                            rf"the pattern piece {name}.* reads the head index μ, but on a "
+                            rf"head-sharded layer μ counts the rank's own heads from 0 \(here "
+                            rf"the layer's heads \d\.\.\d\)")
+           for name, piece in HEAD_PIECES.items()},
     }
+
+
+HEAD_PIECES = {  # pieces that read the head index μ
+    "MaskMod": patterns.MaskMod(lambda b, h, q, kv: (h + q - kv) % 3 != 1),
+    "ScoreMod": patterns.ScoreMod(lambda s, b, h, q, kv: s - 0.1 * h),
+    "AllOf": patterns.Mask("μ ≤ τ") & patterns.Causal(),  # a Mask string of μ, and-ed
+    "ALiBi": patterns.ALiBi(),
+    "Sinks": patterns.Sinks(torch.zeros(MU, dtype=F64)),
+}
 
 
 @check
