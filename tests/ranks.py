@@ -77,6 +77,20 @@ def run_checks(module: str, world: int, out: Path, *, only=None) -> list[dict]:
     return results
 
 
+def rank_tests(module: str, worlds: list[int], checks: dict) -> tuple:
+    """For a test module to take as its own: the fixture ``ranks`` (every check's results on
+    each rank, from one set of processes per number of ranks in ``worlds``) and
+    ``test_on_every_rank``, one test per check."""
+    @pytest.fixture(scope="module", params=worlds, ids=[f"{w} ranks" for w in worlds])
+    def ranks(request, tmp_path_factory) -> list[dict]:
+        return run_checks(module, request.param, tmp_path_factory.mktemp("ranks"))
+
+    @pytest.mark.parametrize("name", list(checks))
+    def test_on_every_rank(ranks, name):
+        assert_on_every_rank(ranks, name)
+    return ranks, test_on_every_rank
+
+
 def assert_on_every_rank(ranks: list[dict], name: str) -> None:
     """Check ``name`` passed on every rank (or skip where it skipped); print what it
     measured."""

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from conftest import TOL, randn
 from ranks import (
-    assert_on_every_rank,
     raised_in,
-    run_checks,
+    rank_tests,
     scaled_error,
     unreached_raise_sites,
 )
@@ -434,15 +433,7 @@ def hooks_of_the_user(mesh):
 
 # -- the processes --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    """Every check's (status, detail, seconds) on each rank, from one set of processes."""
-    return run_checks(__name__, WORLD, tmp_path_factory.mktemp("parallel"))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_on_every_rank(ranks, name):
-    assert_on_every_rank(ranks, name)
+ranks, test_on_every_rank = rank_tests(__name__, [WORLD], CHECKS)
 
 
 # -- in this process ------------------------------------------------------------------------

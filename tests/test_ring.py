@@ -14,9 +14,8 @@ import pytest
 import torch
 from conftest import randn
 from ranks import (
-    assert_on_every_rank,
     raised_in,
-    run_checks,
+    rank_tests,
     scaled_error,
     unreached_raise_sites,
 )
@@ -173,15 +172,7 @@ def errors_with_a_mesh(mesh):
 
 # -- the processes --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
-def ranks(request, tmp_path_factory) -> list[dict]:
-    """Every check's (status, detail, seconds) on each rank of 2 or 3 processes."""
-    return run_checks(__name__, request.param, tmp_path_factory.mktemp("ring"))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_on_every_rank(ranks, name):
-    assert_on_every_rank(ranks, name)
+ranks, test_on_every_rank = rank_tests(__name__, [2, 3], CHECKS)
 
 
 def test_every_raise_site_of_sequence_parallelism_is_reached(ranks):

@@ -21,6 +21,7 @@ from conftest import randn
 from ranks import (
     assert_on_every_rank,
     raised_in,
+    rank_tests,
     run_checks,
     scaled_error,
     unreached_raise_sites,
@@ -276,15 +277,7 @@ def fsdp_step(_):
 
 # -- the processes --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    """Every check's (status, detail, seconds) on each of 4 ranks, one set of processes."""
-    return run_checks(__name__, WORLD, tmp_path_factory.mktemp("shard"))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_on_every_rank(ranks, name):
-    assert_on_every_rank(ranks, name)
+ranks, test_on_every_rank = rank_tests(__name__, [WORLD], CHECKS)
 
 
 def test_every_raise_site_of_shard_is_reached(ranks):
