@@ -98,15 +98,13 @@ def split_then_gather(mesh):
     return {"layouts": list(ring.LAYOUTS)}
 
 
-def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
-    """name -> (call, match) for the errors that need a mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _sharded(mesh, options="causal", impl="chunked"):
+    return par.shard_sequence(make_layer(options, impl), mesh)
 
+
+def call_errors(mesh) -> dict[str, tuple[object, str]]:
+    """name -> (call, match) for the refusals of a sequence-parallel layer's calls."""
     R = mesh.size()
-
-    def sharded(options="causal", impl="chunked"):
-        return par.shard_sequence(make_layer(options, impl), mesh)
-
     x = randn(N, L // R, D, seed=5)
     forward_refusals = {
         "cache": r"takes no cache: a KVCache is for decoding",
@@ -114,39 +112,47 @@ def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
         "need_weights": r"takes no need_weights: the weights A\[n μ τ σ\] never exist whole",
         "positions": r"takes no positions: each rank's positions follow from the layout",
     }
-    calls = {name: (lambda name=name: sharded()(x, **{name: True}), match)
+    calls = {name: (lambda name=name: _sharded(mesh)(x, **{name: True}), match)
              for name, match in forward_refusals.items()}
     return {
         **calls,
-        "not divisible": (lambda: sharded()(randn(N, 5, D, seed=6)),
+        "not divisible": (lambda: _sharded(mesh)(randn(N, 5, D, seed=6)),
                           rf"the whole sequence \(x's length × the mesh size {R}\) has {5 * R} "
                           rf"positions, which layout='zigzag' cannot cut into {2 * R} equal"),
-        "split not divisible": (lambda: par.split_sequence(torch.ones(2, 2 * R + 1), mesh),
-                                r"dim 1 of t has \d+ positions.*pad the sequence to a multiple"),
-        "2-D mesh": (lambda: par.shard_sequence(make_layer("", "chunked"),
-                                                init_device_mesh("cpu", (1, R))),
-                     r"shard_sequence needs a 1-D device mesh, got 2-D"),
-        "documents whole": (lambda: sharded()(x, document_ids=torch.zeros(N, L, dtype=int)),
+        "documents whole": (lambda: _sharded(mesh)(x, document_ids=torch.zeros(N, L, dtype=int)),
                             rf"document_ids is torch.int64 of shape \({N}, {L}\), but a "
                             rf"sequence-parallel layer needs integers \(n, L/R\) = "
                             rf"\({N}, {L // R}\): this rank's part"),
-        "documents float": (lambda: sharded()(x, document_ids=torch.zeros(N, L // R)),
+        "documents float": (lambda: _sharded(mesh)(x, document_ids=torch.zeros(N, L // R)),
                             r"document_ids is torch.float32 of shape .* needs integers"),
-        "padding list": (lambda: sharded()(x, key_padding_mask=[[True]]),
+        "padding list": (lambda: _sharded(mesh)(x, key_padding_mask=[[True]]),
                          r"key_padding_mask is list, but a sequence-parallel layer needs bool"),
-        "dynamic rope": (lambda: par.shard_sequence(
-            MultiHeadAttention(8, 2, rope="half", rope_scaling={
-                "rope_type": "dynamic", "factor": 2.0,
-                "max_position_embeddings": 8}), mesh),
-            r"rope_scaling 'dynamic' scales by the longest position"),
-        "sdpa": (lambda: sharded(impl="sdpa")(x),
+        "sdpa": (lambda: _sharded(mesh, impl="sdpa")(x),
                  r"runs each block with impl 'chunked' or 'einsum'.*got impl='sdpa'"),
-        "padding shape": (lambda: sharded()(x, key_padding_mask=torch.zeros(N, L, dtype=bool)),
+        "padding shape": (lambda: _sharded(mesh)(x, key_padding_mask=torch.zeros(N, L, dtype=bool)),
                           rf"key_padding_mask is torch.bool of shape \({N}, {L}\), but a "
                           rf"sequence-parallel layer needs bool \(n, L/R\) = \({N}, {L // R}\)"),
         "dropout": (lambda: par.shard_sequence(MultiHeadAttention(D, MU, d_head=A, dropout=0.1,
                                                                    dtype=F64), mesh)(x),
                     r"takes no dropout: each block runs the chunked path"),
+    }
+
+
+def sharding_errors(mesh) -> dict[str, tuple[object, str]]:
+    """name -> (call, match) for the refusals of shard_sequence and split_sequence."""
+    from torch.distributed.device_mesh import init_device_mesh
+    R = mesh.size()
+    return {
+        "split not divisible": (lambda: par.split_sequence(torch.ones(2, 2 * R + 1), mesh),
+                                r"dim 1 of t has \d+ positions.*pad the sequence to a multiple"),
+        "2-D mesh": (lambda: par.shard_sequence(make_layer("", "chunked"),
+                                                init_device_mesh("cpu", (1, R))),
+                     r"shard_sequence needs a 1-D device mesh, got 2-D"),
+        "dynamic rope": (lambda: par.shard_sequence(
+            MultiHeadAttention(8, 2, rope="half", rope_scaling={
+                "rope_type": "dynamic", "factor": 2.0,
+                "max_position_embeddings": 8}), mesh),
+            r"rope_scaling 'dynamic' scales by the longest position"),
         "head-parallel": (lambda: par.shard_sequence(
             par.shard_heads(make_layer("", "chunked"), mesh), mesh),
             r"already sharded by heads over a mesh of size"),
@@ -165,7 +171,7 @@ def errors_with_a_mesh(mesh):
     """Each raise that needs a mesh; returns the lines of einattn/sequence_parallel.py that
     raised."""
     lines = set()
-    for call, match in sequence_errors(mesh).values():
+    for call, match in {**call_errors(mesh), **sharding_errors(mesh)}.values():
         lines |= raised_in(call, match, [sequence_parallel.__file__])
     return {"raise lines": sorted(lines)}
 

@@ -102,25 +102,49 @@ def either_alone_is_the_one_dimensional_sharding(_):
     return {}
 
 
-def shard_errors(mesh) -> dict[str, tuple[object, str]]:
-    """name -> (call, match) for the refusals of ``shard``."""
+def _layer(*args, **kwargs) -> MultiHeadAttention:
+    return MultiHeadAttention(*args, dtype=F64, **kwargs)
+
+
+def dimension_errors(mesh) -> dict[str, tuple[object, str]]:
+    """name -> (call, match) for ``shard``'s refusals of its mesh and dimension names."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    def layer(*args, **kwargs):
-        return MultiHeadAttention(*args, dtype=F64, **kwargs)
-
-    def sharded():
-        return par.shard(layer(8, 2, causal=True), mesh, heads="heads", sequence="seq")
-
     flat = init_device_mesh("cpu", (WORLD,))
     return {
+        "no such dimension": (lambda: par.shard(_layer(8, 2), mesh, heads="tp", sequence="seq"),
+                              r"heads='tp' is not a dimension of the mesh, whose dimensions "
+                              r"are 'heads', 'seq'"),
+        "two dimensions": (lambda: par.shard(_layer(8, 2), mesh, sequence=("heads", "seq")),
+                           r"sequence=\('heads', 'seq'\) is not a dimension of the mesh"),
+        "same dimension": (lambda: par.shard(_layer(8, 2), mesh, heads="seq", sequence="seq"),
+                           r"heads and sequence both name the mesh dimension 'seq': each needs "
+                           r"a dimension of its own"),
+        "no dimension": (lambda: par.shard(_layer(8, 2), mesh),
+                         r"shard needs heads= or sequence= \(or both\).*among 'heads', 'seq'"),
+        "unnamed mesh": (lambda: par.shard(_layer(8, 2), flat, heads="heads"),
+                         r"shard finds the mesh's dimensions by name, but this mesh has none: "
+                         r"init_device_mesh\(\.\.\., mesh_dim_names="),
+        "not a mesh": (lambda: par.shard(_layer(8, 2), "heads", heads="heads"),
+                       r"mesh must be a torch.distributed DeviceMesh, got str"),
+        "bad layout": (lambda: par.shard(_layer(8, 2), mesh, sequence="seq", layout="ring"),
+                       r"layout must be one of 'zigzag', 'contiguous', got 'ring'"),
+    }
+
+
+def layer_errors(mesh) -> dict[str, tuple[object, str]]:
+    """name -> (call, match) for ``shard``'s refusals of a layer and of its calls."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded():
+        return par.shard(_layer(8, 2, causal=True), mesh, heads="heads", sequence="seq")
+
+    return {
         "heads not divisible": (
-            lambda: par.shard(layer(9, 3), mesh, heads="heads"),
+            lambda: par.shard(_layer(9, 3), mesh, heads="heads"),
             r"index 'μ' has size n_heads=3.*whole heads: 3 is not divisible by the mesh size 2 "
             r"\(mesh dimension 'heads'\)"),
         "groups not divisible": (
-            lambda: par.shard(layer(8, 4, n_kv_heads=1), mesh, heads="heads", sequence="seq"),
+            lambda: par.shard(_layer(8, 4, n_kv_heads=1), mesh, heads="heads", sequence="seq"),
             r"index 'g' has size n_kv_heads=1, so W\[\(g C a\) i\] cannot give each rank whole "
             r"key/value groups \(of r=4 query heads each\): 1 is not divisible by the mesh "
             r"size 2 \(mesh dimension 'heads'\)"),
@@ -128,25 +152,8 @@ def shard_errors(mesh) -> dict[str, tuple[object, str]]:
             lambda: sharded()(torch.zeros(1, 5, 8, dtype=F64)),
             r"the whole sequence \(x's length × the mesh size 2 \(mesh dimension 'seq'\)\) "
             r"has 10 positions, which layout='zigzag' cannot cut into 4 equal chunks"),
-        "no such dimension": (lambda: par.shard(layer(8, 2), mesh, heads="tp", sequence="seq"),
-                              r"heads='tp' is not a dimension of the mesh, whose dimensions "
-                              r"are 'heads', 'seq'"),
-        "two dimensions": (lambda: par.shard(layer(8, 2), mesh, sequence=("heads", "seq")),
-                           r"sequence=\('heads', 'seq'\) is not a dimension of the mesh"),
-        "same dimension": (lambda: par.shard(layer(8, 2), mesh, heads="seq", sequence="seq"),
-                           r"heads and sequence both name the mesh dimension 'seq': each needs "
-                           r"a dimension of its own"),
-        "no dimension": (lambda: par.shard(layer(8, 2), mesh),
-                         r"shard needs heads= or sequence= \(or both\).*among 'heads', 'seq'"),
-        "unnamed mesh": (lambda: par.shard(layer(8, 2), flat, heads="heads"),
-                         r"shard finds the mesh's dimensions by name, but this mesh has none: "
-                         r"init_device_mesh\(\.\.\., mesh_dim_names="),
-        "not a mesh": (lambda: par.shard(layer(8, 2), "heads", heads="heads"),
-                       r"mesh must be a torch.distributed DeviceMesh, got str"),
-        "bad layout": (lambda: par.shard(layer(8, 2), mesh, sequence="seq", layout="ring"),
-                       r"layout must be one of 'zigzag', 'contiguous', got 'ring'"),
-        "after fully_shard": (lambda: par.shard(fully_shard(layer(8, 2), mesh=mesh["seq"]), mesh,
-                                                heads="heads"),
+        "after fully_shard": (lambda: par.shard(fully_shard(_layer(8, 2), mesh=mesh["seq"]),
+                                                mesh, heads="heads"),
                               r"shard needs the layer's own parameters, but W is already a "
                               r"DTensor \(fully_shard, or distribute_tensor\): call shard first, "
                               r"then fully_shard"),
@@ -163,7 +170,7 @@ def errors_with_a_mesh(_):
     that raised."""
     mesh = two_by_two(HS)
     lines = set()
-    for call, match in shard_errors(mesh).values():
+    for call, match in {**dimension_errors(mesh), **layer_errors(mesh)}.values():
         lines |= raised_in(call, match, [par.__file__])
     layer = MultiHeadAttention(8, 2, batch_first=False)
     raised_in(lambda: par.shard(layer, mesh, heads="heads", sequence="seq"),
