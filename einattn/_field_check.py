@@ -7,7 +7,7 @@ point of ``S^k`` with probability at most ``D/|S|``. Here every drawn value is u
 ``Z_p``, and every drawn exponent ``x`` (and each free maximum) is uniform in ``Z_q``, so that
 ``g^x`` is uniform in the ``q`` squares: ``|S| ≥ q``. Each entry of ``lhs − rhs`` is a
 rational function of those; ``D`` bounds the degree of its numerator and of every
-polynomial inverted on the way (a divisor that vanishes at the draw reads ``1/0 = 0``), from
+polynomial inverted on the way (a divisor that vanishes at the draw leaves the field), from
 :class:`~einattn._field_tensor.Degree`. A draw passes a false step with probability at most
 ``D/q``, and ``draws`` independent draws at most ``(D/q)^draws``. The argument needs the
 difference to stay nonzero when its coefficients are read modulo ``p``: a coefficient
@@ -68,10 +68,7 @@ def compare(sides: list, sizes: dict[str, int], signature: dict, masks, seed: in
             return chosen
         a, b, degree = chosen
         bound *= min(1.0, degree / F.q)
-        if a.shape != b.shape:
-            raise AssertionError(f"the sides have different shapes: {tuple(a.shape)} from "
-                                 f"{_sides.text(sides[0])} but {tuple(b.shape)} from "
-                                 f"{_sides.text(sides[1])}")
+        _sides.same_shapes(a, b, sides)
         differ = (a != b).reshape(-1)
         count = int(differ.sum())
         if worst is None or count > worst[0]:

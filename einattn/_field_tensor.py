@@ -16,6 +16,10 @@ value and its exponent are no two forms of one real number. Where a form does no
 (``tanh``; ``log`` outside ``exp``; a product of two drawn values inside ``exp``) it is
 :class:`Missing` and says why; the check then runs in float64.
 
+A divisor that is 0 on a draw makes the value :class:`Missing` too: a nonzero polynomial
+vanishes at a random point with chance ≤ its degree / p, so one that vanishes is almost
+surely 0 everywhere, a division by zero that the field would take as ``1/0 = 0``.
+
 ``max`` is a free value: each ``max_σ(x)`` (by the text of ``x``) is drawn as a name of its
 own. The identities of attention hold for every value of the maximum they subtract (it
 cancels), so a step that holds for every drawn one holds for the true one; a step that
@@ -38,6 +42,8 @@ from ._field import Field, Missing
 
 Uses = tuple[frozenset, frozenset]  # the names read as values, and as exponents
 _NONE: Uses = (frozenset(), frozenset())
+_ZERO_DIVISOR = ("a divisor is 0 in the field: the step divides by zero (1/0 has no value; "
+                 "float64 says where)")
 
 
 def joined(*uses: Uses) -> Uses:
@@ -47,8 +53,8 @@ def joined(*uses: Uses) -> Uses:
 @dataclass(frozen=True)
 class Degree:
     """Bounds on one entry ``N/D``: ``deg N ≤ num``, ``deg D ≤ den``; ``inverted``: the sum of
-    the degrees of the polynomials inverted on the way (one of them may vanish: ``1/0``
-    is 0 here); ``scale``: the lcm of the denominators of the exponents' coefficients (the
+    the degrees of the polynomials inverted on the way (one of them may vanish: then the
+    value is Missing); ``scale``: the lcm of the denominators of the exponents' coefficients (the
     degrees count powers of ``g^(x/scale)``)."""
 
     num: Fraction = Fraction(0)
@@ -194,8 +200,8 @@ class FieldTensor:
         F = self.field
         if self.constant is not None and self.constant != 0:
             return number(F, 1 / self.constant)
-        values = _each(self.values, lambda a: Values(
-            F.inverse(a.t), Degree().over(a.degree), a.uses))
+        values = _each(self.values, lambda a: Missing(_ZERO_DIVISOR) if bool(
+            (a.t % F.p == 0).any()) else Values(F.inverse(a.t), Degree().over(a.degree), a.uses))
         square = values if isinstance(values, Missing) else values.t * values.t % F.p
         parents = tape.link((self, tape.times(F, square, self.shape, -1)))
         exponents = self.exponents if isinstance(self.exponents, Missing) else Missing(

@@ -177,8 +177,15 @@ class _Reader:
         if r.peek().value == r"\sqrt":
             self.root(r, r.take())
         else:
-            self.w.put(" / ", col)
-            self.factor(r)
+            self.over(r, col)
+
+    def over(self, r: Reader, col: int) -> None:
+        """`` / factor``; a fraction divided by is one factor, in parentheses (``a / (b / c)``,
+        never ``a / b / c``)."""
+        nested = r.peek().value == r"\frac"
+        self.w.put(" / (" if nested else " / ", col)
+        self.factor(r)
+        self.w.put(")" if nested else "", col)
 
     def root(self, r: Reader, token) -> None:
         """``\\sqrt{d_a}``: the root of index ``a``'s size, as a product divides by it (which
@@ -231,8 +238,7 @@ class _Reader:
             elif token.value == r"\sqrt":
                 self.root(bottom, bottom.take())
             else:
-                self.w.put(" / ", token.col)
-                self.factor(bottom)
+                self.over(bottom, token.col)
 
     def parenthesised(self, r: Reader, col: int, sum_only: bool) -> None:
         """What ``r`` holds, in parentheses where it is a sum (or always)."""

@@ -14,6 +14,7 @@ import inspect
 
 import torch
 
+from .errors import SidesDiffer
 from .notation import Equation
 
 
@@ -69,3 +70,10 @@ def evaluated(side, tensors: dict[str, torch.Tensor], sizes: dict[str, int]) -> 
     parameters = inspect.signature(side).parameters
     takes_all = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     return side(**{k: v for k, v in tensors.items() if takes_all or k in parameters})
+
+
+def same_shapes(left, right, sides) -> None:
+    """Raise :class:`~einattn.errors.SidesDiffer` unless the sides' values have one shape."""
+    if left.shape != right.shape:
+        raise SidesDiffer(f"the sides have different shapes: {tuple(left.shape)} from "
+                          f"{text(sides[0])} but {tuple(right.shape)} from {text(sides[1])}")

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._syntax import _GREEK
-from .errors import EinattnError
+from .errors import EinattnError, SidesDiffer
 from .notation import Equation
 from .verify import Report, check_equivalent
 
@@ -350,7 +350,7 @@ def _check_step(block: Block, step: Step, exact_only: bool, seed: int) -> Checke
     try:
         report = check_equivalent(lhs, rhs, block.sizes, exact=True, seed=seed,
                                   inputs=_opened_inputs(lhs, rhs))
-    except AssertionError as mismatch:  # the sides have different shapes
+    except SidesDiffer as mismatch:  # the sides have different shapes
         return Checked(block, step, "—", reason=str(mismatch))
     if exact_only and report.mode == "float":
         return Checked(block, step, "float", reason=f"skipped: {report.note}")

@@ -13,6 +13,10 @@ class EinattnError(ValueError):
     """Bad input to einattn: a size, shape, dtype, mask or equation that does not fit."""
 
 
+class SidesDiffer(EinattnError):
+    """The two sides of a derivation step give tensors of different shapes."""
+
+
 def at(message: str, text: str, *positions: int) -> EinattnError:
     """An error whose message shows ``text`` with carets under ``positions``.
 

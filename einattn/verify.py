@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,7 +41,7 @@ from . import _field_check, _sides
 from ._field_check import FieldResult, mask_draw
 from ._gradient_check import Autograd, GradientSides, gradient_sides
 from .chain import Chain
-from .errors import EinattnError
+from .errors import EinattnError, SidesDiffer
 from .notation import Equation
 
 Side = Equation | Chain | str | Callable[..., torch.Tensor]
@@ -92,10 +92,14 @@ class Report:
 def assert_equivalent(lhs: Side, rhs: Side, sizes: dict[str, int] | None = None, *,
                       exact: bool = False, seed: int = 0, draws: int = 3,
                       inputs: dict[str, str] | None = None, masks=()) -> Report:
-    """Raise ``AssertionError`` (showing both forms, the largest deviation and where)
-    unless ``lhs`` and ``rhs`` agree; return the :class:`Report` otherwise."""
-    report = check_equivalent(lhs, rhs, sizes, exact=exact, seed=seed, draws=draws,
-                              inputs=inputs, masks=masks)
+    """Raise ``AssertionError`` (showing both forms, the largest deviation and where, or
+    their two shapes) unless ``lhs`` and ``rhs`` agree; return the :class:`Report`
+    otherwise."""
+    try:
+        report = check_equivalent(lhs, rhs, sizes, exact=exact, seed=seed, draws=draws,
+                                  inputs=inputs, masks=masks)
+    except SidesDiffer as differ:
+        raise AssertionError(str(differ)) from None
     if not report.equal:
         raise AssertionError(str(report))
     return report
@@ -104,7 +108,8 @@ def assert_equivalent(lhs: Side, rhs: Side, sizes: dict[str, int] | None = None,
 def check_equivalent(lhs: Side, rhs: Side, sizes: dict[str, int] | None = None, *,
                      exact: bool = False, seed: int = 0, draws: int = 3,
                      inputs: dict[str, str] | None = None, masks=()) -> Report:
-    """The non-raising form of :func:`assert_equivalent`: a :class:`Report`.
+    """The non-raising form of :func:`assert_equivalent`: a :class:`Report` (sides of
+    different shapes are no step: :class:`~einattn.errors.SidesDiffer`, an EinattnError).
 
     ``inputs`` maps tensor names to their index strings (``{"S": "n μ τ σ"}``); it is needed
     only when neither side is an equation. ``masks`` names tensors drawn as additive masks,
@@ -121,7 +126,8 @@ def check_equivalent(lhs: Side, rhs: Side, sizes: dict[str, int] | None = None, 
     if exact and all(map(_sides.written, sides)):
         result = _field_check.compare(sides, sizes, signature, masks, seed, draws)
         if isinstance(result, FieldResult):
-            return _field_report(result, sides, draws)
+            return _over_the_reals(_field_report(result, sides, draws), sides, sizes,
+                                   signature, masks, seed, draws)
         note = f"float64: {result}"
     if exact:
         why = next(filter(None, map(_sides.not_multilinear, sides)), "") or \
@@ -135,8 +141,9 @@ def check_equivalent(lhs: Side, rhs: Side, sizes: dict[str, int] | None = None, 
 
 
 def _drawn_report(sides, sizes, signature, masks, exact: bool, seed: int, draws: int,
-                  note: str) -> Report:
-    """The float64 or integer comparison of :func:`check_equivalent`."""
+                  note: str, positive: bool = False) -> Report:
+    """The float64 or integer comparison of :func:`check_equivalent` (float64 draws in
+    [1/4, 7/4] where ``positive``)."""
     degree = max([d for d in map(_sides.degree, sides) if d] or [2 * len(signature)])
     limit = _FLOAT64_EXACT if any(getattr(s, "sums_in_float64", False) for s in sides) \
         else 2.0**62
@@ -145,7 +152,8 @@ def _drawn_report(sides, sizes, signature, masks, exact: bool, seed: int, draws:
     device = torch.device("cpu") if exact else torch.get_default_device()  # integer products
     worst = None  # have no CUDA kernel: the exact mode runs on the CPU
     for _ in range(draws):
-        tensors = {name: _draw(shape_of(sizes), span, generator, name in masks).to(device)
+        tensors = {name: _draw(shape_of(sizes), span, generator, name in masks,
+                               positive).to(device)
                    for name, shape_of in signature.items()}
         left, right = (_evaluate(s, tensors, sizes, device) for s in sides)
         result = _compare(left, right, exact, sides)
@@ -156,6 +164,24 @@ def _drawn_report(sides, sizes, signature, masks, exact: bool, seed: int, draws:
     return Report(deviation <= tolerance, "exact" if exact else "float", draws, deviation,
                   tolerance, where, _sides.text(sides[0]), _sides.text(sides[1]), bound,
                   note=note)
+
+
+def _over_the_reals(report: Report, sides, sizes, signature, masks, seed: int,
+                    draws: int) -> Report:
+    """A step equal in the finite field, compared once more in float64 on positive draws.
+
+    The field has no order and no infinity: there ``x / 0`` is 0, ``log(−a) + log(−b)`` is
+    ``log(a) + log(b)``, and a constant counts modulo p (inside ``exp``, modulo q). A step
+    that is no identity of real numbers is rejected here, with the float64 report."""
+    if not report.equal:
+        return report
+    real = _drawn_report(sides, sizes, signature, masks, False, seed, draws, "", positive=True)
+    if real.equal:
+        return report
+    return replace(real, note=(
+        f"equal in the finite field (p = {report.prime}) but not over the reals: a division "
+        f"by zero, the log of a negative number, or a constant that the field counts modulo "
+        f"p; float64 on positive draws differs by {real.max_deviation:.3g} at {real.where}"))
 
 
 def _field_report(result: FieldResult, sides: list, draws: int) -> Report:
@@ -209,7 +235,7 @@ def _exact_span(sizes: dict[str, int], degree: int, limit: float = 2.0**62) -> i
 
 
 def _draw(shape: tuple[int, ...], span: int, generator: torch.Generator,
-          is_mask: bool = False) -> torch.Tensor:
+          is_mask: bool = False, positive: bool = False) -> torch.Tensor:
     """Inputs drawn on the CPU, whatever torch's default device: a CPU generator draws the
     same numbers everywhere. A mask is 0 or −∞ (:func:`einattn._field_check.mask_draw`)."""
     if is_mask:
@@ -217,6 +243,8 @@ def _draw(shape: tuple[int, ...], span: int, generator: torch.Generator,
     if span:
         return torch.randint(-span, span + 1, shape, generator=generator, dtype=torch.int64,
                              device="cpu")
+    if positive:
+        return torch.rand(shape, generator=generator, dtype=torch.float64) * 1.5 + 0.25
     return torch.randn(shape, generator=generator, dtype=torch.float64, device="cpu")
 
 
@@ -229,10 +257,7 @@ def _evaluate(side, tensors: dict[str, torch.Tensor], sizes: dict[str, int],
 
 
 def _compare(left: torch.Tensor, right: torch.Tensor, exact: bool, sides: list):
-    if left.shape != right.shape:
-        raise AssertionError(f"the sides have different shapes: {tuple(left.shape)} from "
-                             f"{_sides.text(sides[0])} but {tuple(right.shape)} from "
-                             f"{_sides.text(sides[1])}")
+    _sides.same_shapes(left, right, sides)
     if left.numel() == 0:
         return 0.0, 0.0, "(empty)"
     if exact and (left.is_floating_point() or right.is_floating_point()):

@@ -40,6 +40,12 @@ READS = {
     "scalars, numbers, cdot": (r"C_{\tau\sigma} = c \cdot \tanh\left(\frac{S_{\tau\sigma}}{c}"
                                r"\right) + 0.5 \times S_{\tau\sigma}",
                                "C[τ σ] = c · tanh(S[τ σ] / c) + 0.5 S[τ σ]"),
+    "a fraction in a denominator": (r"Y_{\tau} = \frac{X_{\tau}}{\frac{W_{\tau}}{V_{\tau}}}",
+                                    "Y[τ] = X[τ] / (W[τ] / V[τ])"),
+    "a fraction beside a factor below": (r"Y_{\tau} = \frac{X_{\tau}}{\frac{1}{2} W_{\tau}}",
+                                         "Y[τ] = X[τ] / (1 / 2) / W[τ]"),
+    "divided by a fraction": (r"Y_{\tau} = X_{\tau} / \frac{W_{\tau}}{V_{\tau}}",
+                              "Y[τ] = X[τ] / (W[τ] / V[τ])"),
     "a leading minus, braces": (r"Y_{\tau} = -{X_{\tau} + W_{\tau}}", "Y[τ] = −(X[τ] + W[τ])"),
     "ell and a named tensor in parentheses": (
         r"\ell_{\tau} = \left(W_{O}\right)_{\tau} + 1", "ℓ[τ] = W_O[τ] + 1"),
@@ -51,6 +57,17 @@ READS = {
 def test_reading_rules(tex, text):
     assert written_as_expression(tex)
     assert Equation.from_latex(tex).text == text
+
+
+def test_a_fraction_divided_by_reads_back_as_the_same_number():
+    """A review's false PASS: ``\\frac{X}{\\frac{W}{V}}`` was read as X / W / V, so the wrong
+    step X / (W V) passed and the right one X V / W failed."""
+    written = Equation("Y[τ] = X[τ] / (W[τ] / V[τ])")
+    assert Equation.from_latex(written.latex()).text == written.text
+    read = Equation.from_latex(r"Y_{\tau} = \frac{X_{\tau}}{\frac{W_{\tau}}{V_{\tau}}}")
+    sizes = {"τ": 3}
+    assert check_equivalent(read, "Y[τ] = X[τ] V[τ] / W[τ]", sizes).equal
+    assert not check_equivalent(read, "Y[τ] = X[τ] / W[τ] / V[τ]", sizes).equal
 
 
 def test_attention_is_all_you_need_in_index_form_is_equations_2_to_4():

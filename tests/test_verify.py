@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from einattn import EinattnError, Equation
+from einattn.errors import SidesDiffer
 from einattn.verify import Report, assert_equivalent, check_equivalent
 
 MATMUL = "Y[τ j] = X[τ i] W[i j]"
@@ -349,6 +350,14 @@ def test_sides_of_different_shapes_name_both_shapes():
     with pytest.raises(AssertionError, match=r"different shapes: \(3, 5\) from Y\[τ j\] = "
                                              r"X\[τ i\] W\[i j\] but \(5, 3\) from .*<lambda>$"):
         assert_equivalent(MATMUL, lambda X, W: (X @ W).T, MATMUL_SIZES)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_check_equivalent_refuses_sides_of_different_shapes_as_an_einattn_error(exact):
+    """A review: the non-raising form raised a bare AssertionError (as assert_equivalent)."""
+    with pytest.raises(SidesDiffer, match=r"different shapes: \(3, 4\) from .* but \(4, 3\)"):
+        check_equivalent("Y[τ σ] = Q[τ a] K[σ a]", "Y[σ τ] = Q[τ a] K[σ a]",
+                         {"τ": 3, "σ": 4, "a": 2}, exact=exact)
 
 
 @pytest.mark.parametrize("draws", [0, -1, 2.0, True])

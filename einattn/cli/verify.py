@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from .. import derivation, derivation_files, verify
+from ..errors import SidesDiffer
 from ..notation import Equation, Explanation
 from .derive import derive_output
 from .options import (
@@ -64,7 +65,7 @@ def check_step(step: derivation.Step, *, exact_only: bool = False) -> StepResult
     try:
         r = verify.check_equivalent(step.lhs, step.rhs, step.sizes, exact=step.exact,
                                     inputs=step.inputs, draws=step.draws, masks=step.masks)
-    except AssertionError as mismatch:  # the two sides have different shapes
+    except SidesDiffer as mismatch:  # the two sides have different shapes
         return StepResult(step.name, mode, math.inf, 0.0, False, where=str(mismatch))
     return StepResult(step.name, r.mode, r.max_deviation, r.tolerance, r.equal,
                       r.false_acceptance, r.where)
