@@ -26,14 +26,20 @@ def bind(pieces, *, n: int, n_heads: int, L_q: int, L_k: int, dtype: torch.dtype
     ``q0 …`` (default ``L_k − L_q``, the last ones; a 0-d tensor for a static cache's count),
     its keys at ``k0 …``, the pieces checked against it."""
     frame = Frame(n, n_heads, L_q, L_k, L_k - L_q if q0 is None else q0, k0, device)
+    return _assembled([piece.bound(frame, dtype) for piece in pieces], frame, dtype)
+
+
+def _assembled(pieces, frame: Frame, dtype: torch.dtype) -> Pattern:
+    """The pattern of ``pieces`` already bound (checked) for ``frame``, or for a whole of
+    which ``frame`` is a part: its mask pieces that mask something there, its score terms
+    in the order (3) applies them, its sink."""
     if not pieces:
         return Pattern((), (), None, frame, dtype)
     masks, scores, sinks = [], [], None
     for piece in pieces:
-        kind, piece = piece.KIND, piece.bound(frame, dtype)
-        if kind == "mask":
+        if piece.KIND == "mask":
             masks += [p for p in piece.conjuncts() if not _sees_every_key(p, frame)]
-        elif kind == "score":
+        elif piece.KIND == "score":
             scores.append(piece)
         elif sinks is None:
             sinks = piece.s
@@ -73,11 +79,13 @@ class Pattern:
         return Pattern(self.masks, self.scores, sinks, self.frame, self.dtype)
 
     def at(self, q0: int, L_q: int, k0: int, L_k: int) -> Pattern:
-        """The same pieces bound to ``L_q`` queries from position ``q0`` and ``L_k`` keys
-        from ``k0`` (a pair of the ring's chunks), without the sink."""
+        """The same pieces at ``L_q`` queries from position ``q0`` and ``L_k`` keys from
+        ``k0`` (a pair of the ring's chunks, within this pattern's call), without the sink:
+        not checked again, since they were checked against the whole (the documents' ids
+        ``d[n σ]`` are the whole sequence's)."""
         f = self.frame
-        return bind(self.pieces, n=f.n, n_heads=f.n_heads, L_q=L_q, L_k=L_k, dtype=self.dtype,
-                    device=f.device, q0=q0, k0=k0)
+        return _assembled(self.pieces, Frame(f.n, f.n_heads, L_q, L_k, q0, k0, f.device),
+                          self.dtype)
 
     @property
     def pieces(self) -> tuple:

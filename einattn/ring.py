@@ -22,10 +22,12 @@ each block's share of the gradients is the chunked path's tile backward
 
 The pattern of equation (3) is the whole sequence's, per pair of chunks: for query chunk
 i and key chunk j of length c, its pieces bound to the queries' positions ``i·c …`` and the
-keys' ``j·c …`` (:meth:`einattn.patterns.Pattern.at`), as one process would see them. Under
-causal attention an earlier key chunk is wholly visible, the same
-chunk is causal within itself, and a later one is skipped, as is a chunk wholly outside a
-sliding window. A sink ``s_μ`` starts each row's merge at ``lse = s_μ``, ``Z = 0``.
+keys' ``j·c …`` (:meth:`einattn.patterns.Pattern.at`), as one process would see them.
+Under causal attention an earlier key chunk is wholly visible, the same chunk is causal
+within itself, and a later one is skipped, as is a chunk wholly outside a sliding window,
+or one whose keys share no document with the queries (packed documents: the pattern holds
+the whole sequence's ids ``d[n σ]``, each pair reads its chunks'). A sink ``s_μ`` starts
+each row's merge at ``lse = s_μ``, ``Z = 0``.
 With ``layout="contiguous"`` rank k holds chunk k of R, and so rank R − 1 does R pairs of
 work where rank 0 does one; with ``"zigzag"`` (Megatron's load balancing) rank k holds
 chunks k and 2R − 1 − k of 2R, so every rank does the same number. Each pair runs the
@@ -91,7 +93,7 @@ def pairs(q_chunks, k_chunks, c: int, pattern: patterns.Pattern) -> list:
     lists of chunks of length ``c``) of which some query sees some key, with ``pattern``
     (the whole sequence's) bound to the pair: under causal, an earlier key chunk (whole),
     the same chunk (causally); a later one is skipped, and so is a chunk wholly outside a
-    window."""
+    window or in no document of the queries'."""
     out = []
     for q, i in enumerate(q_chunks):
         for k, j in enumerate(k_chunks):

@@ -45,6 +45,7 @@ CPU_ONLY = {
     "test_readme": "runs the README's commands as written",
     "test_ring": "gloo processes on the CPU",
     "test_seeds": "ports NumPy code, whose arrays live on the CPU",
+    "test_shard": "gloo processes on the CPU",
     "test_site": "builds the documentation site",
 }
 

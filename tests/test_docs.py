@@ -261,26 +261,32 @@ def test_links_resolve(path):
 
 
 # A bash block that writes a script and runs it under torchrun, as docs/distributed.md shows.
-# The output a page shows for it is the next text block after one line of prose.
-TORCHRUN = re.compile(r"^cat > (\S+\.py) <<'EOF'\n(.*?)^EOF\ntorchrun --standalone "
-                      r"--nproc-per-node (\d+) \1\n```\n(?:\n[^\n`]+\n\n```text\n(.*?)```)?",
-                      re.M | re.S)
+# The output a page shows for it is the next text block after one paragraph of prose.
+TORCHRUN = re.compile(r"^cat > (\S+\.py) <<'EOF'\n(.*?)^EOF\ntorchrun [^\n]*?"
+                      r"--nproc-per-node (\d+) \1\n```\n"
+                      r"(?:\n(?:[^`\n][^\n]*\n)+\n```text\n(.*?)```)?", re.M | re.S)
+SCRIPTS = {name: (code, int(n), printed) for name, code, n, printed in
+           TORCHRUN.findall((DOCS / "distributed.md").read_text(encoding="utf-8"))}
 
 
-def test_the_cpu_sized_torchrun_script_runs_as_the_page_shows(tmp_path):
-    """docs/distributed.md's CPU-sized script, run as written (torchrun, 2 gloo processes,
-    this checkout's einattn), prints what the page says; the GPU-sized scripts compile."""
-    doc = (DOCS / "distributed.md").read_text(encoding="utf-8")
-    scripts = {name: (code, int(n), printed) for name, code, n, printed in TORCHRUN.findall(doc)}
-    assert {"head_parallel.py", "ring_attention.py", "cpu_parallel.py"} <= set(scripts)
-    for name, (code, _, _) in scripts.items():
+def test_the_torchrun_scripts_compile():
+    """docs/distributed.md's scripts, the GPU-sized ones too, are Python."""
+    assert {"head_parallel.py", "ring_attention.py", "cpu_parallel.py", "cpu_mesh.py",
+            "mesh_training.py"} <= set(SCRIPTS)
+    for name, (code, _, _) in SCRIPTS.items():
         compile(code, name, "exec", dont_inherit=True)
-    code, nproc, printed = scripts["cpu_parallel.py"]
-    (tmp_path / "cpu_parallel.py").write_text(code, encoding="utf-8")
+
+
+@pytest.mark.parametrize("name, nproc", [("cpu_parallel.py", 2), ("cpu_mesh.py", 4)])
+def test_a_cpu_sized_torchrun_script_runs_as_the_page_shows(tmp_path, name, nproc):
+    """docs/distributed.md's CPU-sized scripts, run as written (torchrun, gloo processes,
+    this checkout's einattn), print what the page says."""
+    code, pages_nproc, printed = SCRIPTS[name]
+    (tmp_path / name).write_text(code, encoding="utf-8")
     path = os.pathsep.join(filter(None, [str(DOCS.parent), os.environ.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", str(nproc), "cpu_parallel.py"], cwd=tmp_path,
+                          "--nproc-per-node", str(nproc), name], cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": path}, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert nproc == 2 and run.stdout.splitlines() == printed.splitlines()
+    assert pages_nproc == nproc and printed and run.stdout.splitlines() == printed.splitlines()

@@ -11,95 +11,46 @@ process" is checked on every rank, in float64 at 1e-12 relative to scale.
 from __future__ import annotations
 
 import copy
-import traceback
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TOL, randn
-from ranks import assert_on_every_rank, raise_sites, run_checks, scaled_error
+from conftest import randn
+from head_cases import (
+    F64,
+    L_Q,
+    MU,
+    A,
+    D,
+    G,
+    N,
+    full,
+    inputs,
+    make_layer,
+    rope_in,
+    run,
+    within,
+)
+from ranks import (
+    raised_in,
+    rank_tests,
+    scaled_error,
+    unreached_raise_sites,
+)
 from torch import nn
 
 import einattn
-from einattn import EinattnError, MultiHeadAttention
+from einattn import MultiHeadAttention, _sharding, head_parallel, patterns
 from einattn import parallel as par
 
-WORLD = 2
-F64 = torch.float64
-# All sizes distinct where they meet (n, τ, σ, i, μ, a); a even, for RoPE; g = WORLD.
-N, L_Q, L_K, D, MU, A, G = 4, 7, 9, 11, 6, 10, 2
-BLOCK = 4  # chunked: several key blocks, the last one partial
+WORLD = 2  # the ranks; G key/value groups and MU heads of head_cases split over them
 CHECKS: dict[str, object] = {}  # name -> check(mesh) -> {quantity: error}, run on every rank
 
 
 def check(fn=None, *, name=None):
     CHECKS[name or fn.__name__] = fn
     return fn
-
-
-# -- helpers on every rank ------------------------------------------------------------------
-
-def within(errors: dict[str, float]) -> dict[str, float]:
-    bad = {k: e for k, e in errors.items() if not e <= TOL[F64]}
-    assert not bad, f"errors above {TOL[F64]:g}: {bad}"
-    return errors
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
-
-
-def make_layer(*, n_kv_heads=None, impl="einsum", rope=None, bias=True, seed=0,
-               **patterns) -> MultiHeadAttention:
-    """A float64 layer with every parameter (biases, sinks too) random, the same on every
-    rank."""
-    layer = MultiHeadAttention(D, MU, d_head=A, n_kv_heads=n_kv_heads, bias=bias,
-                               dtype=F64, impl=impl, block_size=BLOCK, rope=rope, **patterns)
-    with torch.no_grad():
-        for k, p in enumerate(layer.parameters()):
-            p.copy_(randn(*p.shape, seed=seed * 10 + k) * p.shape[-1] ** -0.5)
-    return layer
-
-
-def inputs(options: str, *, seed: int = 1) -> dict:
-    """The call's tensors for a case: x (and context) requiring grad, masks, and the
-    cotangent T with which the loss is ⟨Y, T⟩."""
-    L_k = L_K if "context" in options else L_Q
-    call = {"x": randn(N, L_Q, D, seed=seed, requires_grad=True)}
-    if "context" in options:
-        call["context"] = randn(N, L_K, D, seed=seed + 1, requires_grad=True)
-    if "bool nμτσ" in options:
-        call["mask"] = randn(N, MU, L_Q, L_k, seed=seed + 2) > -0.6
-        call["mask"][0, 4, 2] = False  # a fully masked row in a head of rank 1
-    if "float nμτσ" in options:
-        m = randn(N, MU, L_Q, L_k, seed=seed + 3)
-        call["mask"] = m.masked_fill(randn(N, MU, L_Q, L_k, seed=seed + 4) < -0.8, -torch.inf)
-        call["mask"].requires_grad_()
-    if "float τσ" in options:  # one mask for every head: its gradient sums over all of them
-        m = randn(L_Q, L_k, seed=seed + 6)
-        call["mask"] = m.masked_fill(m < -1.0, -torch.inf).requires_grad_()
-    if "bool n1τσ" in options:
-        call["mask"] = randn(N, 1, L_Q, L_k, seed=seed + 5) > -0.6
-    if "padding" in options:
-        padding = torch.zeros(N, L_k, dtype=torch.bool)
-        padding[0, L_k // 2:] = True
-        call["key_padding_mask"] = padding
-    if "causal" in options:
-        call["causal"] = True
-    if "positions" in options:  # RoPE positions t[n τ]: each sample from its own offset
-        call["positions"] = torch.tensor([3, 0, 11, 5])[:, None] + torch.arange(L_Q)
-    return call
-
-
-def run(layer, call: dict, **extra):
-    return layer(call["x"], call.get("context"),
-                 **{k: v for k, v in call.items() if k not in ("x", "context")}, **extra)
-
-
-def rope_in(options: str) -> str | None:
-    return next((style for style in ("half", "interleaved") if style in options), None)
 
 
 def compare(mesh, *, n_kv_heads, impl, options) -> dict[str, float]:
@@ -149,6 +100,22 @@ CASES = [
 for _impl, _g, _options in CASES:
     check(partial(compare, n_kv_heads=_g, impl=_impl, options=_options),
           name=f"forward_backward[{_impl}, n_kv_heads={_g}, {_options}]")
+
+
+@check
+def pieces_of_positions(mesh):
+    """Pieces of one's own that read positions alone (a Mask string, a MaskMod, a ScoreMod
+    of the distance, a prefix LM, chunks) run on the rank's heads as on one device, the
+    layer's and the call's."""
+    bias = randn(17, seed=3)
+    own = [patterns.Mask("⌊τ / 3⌋ = ⌊σ / 3⌋ ∨ σ < 2"),
+           patterns.MaskMod(lambda b, h, q, kv: (q - kv) % 4 != 1),
+           patterns.ScoreMod(lambda s, b, h, q, kv: s + bias[(q - kv).clamp(-8, 8) + 8])]
+    ref = make_layer(n_kv_heads=G, impl="chunked", pattern=own)
+    lay = par.shard_heads(copy.deepcopy(ref), mesh)
+    call = inputs("causal padding")
+    extra = {"pattern": [patterns.PrefixLM(torch.tensor([2, 0, 5, 1])), patterns.ChunkedLocal(4)]}
+    return within({"Y": scaled_error(run(lay, call, **extra), run(ref, call, **extra))})
 
 
 @check
@@ -258,13 +225,20 @@ def gather_heads_and_projections(mesh):
     return within(errors)
 
 
-def _raised_in_parallel_py(call, match: str) -> set[int]:
-    """Run ``call``, which must raise EinattnError matching ``match``; the line numbers of
-    einattn/parallel.py in its traceback."""
-    with pytest.raises(EinattnError, match=match) as info:
-        call()
-    here = Path(par.__file__).resolve()
-    return {f.lineno for f in traceback.extract_tb(info.tb) if Path(f.filename).resolve() == here}
+OWN = (head_parallel.__file__, _sharding.__file__)  # the modules whose raises are tested here
+
+
+def _raised_in_parallel_py(call, match: str) -> set[tuple[str, int]]:
+    """Run ``call``, which must raise EinattnError matching ``match``; the lines of
+    einattn/head_parallel.py and einattn/_sharding.py in its traceback."""
+    return raised_in(call, match, OWN)
+
+
+def _replicated_W(layer: MultiHeadAttention, mesh) -> MultiHeadAttention:
+    """``layer`` with its W a DTensor, as ``fully_shard`` or ``distribute_tensor`` leaves it."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    layer.W = nn.Parameter(distribute_tensor(layer.W.detach(), mesh, [Replicate()]))
+    return layer
 
 
 def distributed_errors(mesh) -> dict[str, tuple[object, str]]:
@@ -292,11 +266,30 @@ def distributed_errors(mesh) -> dict[str, tuple[object, str]]:
         "already sequence-parallel": (lambda: par.shard_heads(
             par.shard_sequence(make_layer(), mesh), mesh),
             r"already runs sequence-parallel over a mesh of size 2; shard a fresh copy"),
+        "DTensor parameter": (lambda: par.shard_heads(_replicated_W(make_layer(), mesh), mesh),
+                              r"shard_heads needs the layer's own parameters, but W is already "
+                              r"a DTensor \(fully_shard, or distribute_tensor\): call "
+                              r"shard_heads first, then fully_shard"),
         "per-head mask": (lambda: sharded()(randn(N, L_Q, D, seed=1),
                                             mask=torch.ones(N, 4, L_Q, L_Q, dtype=torch.bool)),
                           r"index 'μ' has size 4 in mask but 6 in the scores S\[n μ τ σ\] "
                           r"\(all heads, before sharding\)"),
+        **{f"{name} of μ": (lambda piece=piece: sharded()(randn(N, L_Q, D, seed=1),
+                                                          pattern=piece),
+                            rf"the pattern piece {name}.* reads the head index μ, but on a "
+                            rf"head-sharded layer μ counts the rank's own heads from 0 \(here "
+                            rf"the layer's heads \d\.\.\d\)")
+           for name, piece in HEAD_PIECES.items()},
     }
+
+
+HEAD_PIECES = {  # pieces that read the head index μ
+    "MaskMod": patterns.MaskMod(lambda b, h, q, kv: (h + q - kv) % 3 != 1),
+    "ScoreMod": patterns.ScoreMod(lambda s, b, h, q, kv: s - 0.1 * h),
+    "AllOf": patterns.Mask("μ ≤ τ") & patterns.Causal(),  # a Mask string of μ, and-ed
+    "ALiBi": patterns.ALiBi(),
+    "Sinks": patterns.Sinks(torch.zeros(MU, dtype=F64)),
+}
 
 
 @check
@@ -388,15 +381,7 @@ def hooks_of_the_user(mesh):
 
 # -- the processes --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    """Every check's (status, detail, seconds) on each rank, from one set of processes."""
-    return run_checks(__name__, WORLD, tmp_path_factory.mktemp("parallel"))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_on_every_rank(ranks, name):
-    assert_on_every_rank(ranks, name)
+ranks, test_on_every_rank = rank_tests(__name__, [WORLD], CHECKS)
 
 
 # -- in this process ------------------------------------------------------------------------
@@ -420,14 +405,14 @@ def test_forward_is_the_layers_own():
     MultiHeadAttention.forward (cache=, positions=, ...), now and after any that is added;
     a subclass of the layer keeps its own forward too."""
     assert "forward" not in vars(par.HeadParallel)
-    sharded = par._parallel_class(par.HeadParallel, MultiHeadAttention)
+    sharded = _sharding.parallel_class(par.HeadParallel, MultiHeadAttention)
     assert sharded.forward is MultiHeadAttention.forward
 
     class Mine(MultiHeadAttention):
         def forward(self, x, *, scale: float = 1.0):
             return super().forward(x) * scale
 
-    assert par._parallel_class(par.HeadParallel, Mine).forward is Mine.forward
+    assert _sharding.parallel_class(par.HeadParallel, Mine).forward is Mine.forward
 
 
 @pytest.mark.parametrize("name", list(SINGLE_PROCESS_ERRORS))
@@ -436,16 +421,13 @@ def test_bad_input_raises_einattn_error(name):
     _raised_in_parallel_py(call, match)
 
 
-def test_every_raise_site_in_parallel_py_is_reached(ranks):
-    """STYLE §4: each ``raise`` in einattn/parallel.py's head parallelism (and the checks
-    both parallelisms share) has a ``pytest.raises`` test, here or on the ranks."""
+def test_every_raise_site_of_head_parallelism_is_reached(ranks):
+    """STYLE §4: each ``raise`` in einattn/head_parallel.py (and in the checks every
+    parallelism shares, einattn/_sharding.py) has a ``pytest.raises`` test, here or on the
+    ranks."""
     reached = set()
     for call, match in SINGLE_PROCESS_ERRORS.values():
         reached |= _raised_in_parallel_py(call, match)
-    for results in ranks:
-        status, detail, _ = results["errors_with_a_mesh"]
-        assert status == "ok", detail
-        reached |= set(detail["raise lines"])
-    sites = raise_sites(par.__file__, before="# -- sequence parallelism")  # after: test_ring
-    assert sites - reached == set(), f"raise sites with no test: lines {sorted(sites - reached)}"
+    unreached = unreached_raise_sites(ranks, *OWN) - reached
+    assert not unreached, f"raise sites with no test: {sorted(unreached)}"
 

@@ -1,6 +1,7 @@
 """einattn.parallel.shard_sequence: ring attention on 2 and 3 gloo processes on the CPU, in
-float64, checked against one process running the whole sequence: the gathered output, the
-gathered gradient of the input, and the parameter gradients summed over the ranks.
+float64, checked against one process running the whole sequence (the cases of
+tests/sequence_cases.py, packed documents among them): the gathered output, the gathered
+gradient of the input, and the parameter gradients summed over the ranks.
 einattn.ring's layouts, schedule and merge, in this process.
 """
 
@@ -11,19 +12,31 @@ from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import randn
-from ranks import assert_on_every_rank, raise_sites, run_checks, scaled_error
+from ranks import (
+    raised_in,
+    rank_tests,
+    scaled_error,
+    unreached_raise_sites,
+)
+from sequence_cases import (
+    F64,
+    MU,
+    TOL,
+    A,
+    D,
+    L,
+    N,
+    compare,
+    documents_for,
+    make_layer,
+    reference,
+)
 from torch import nn
 
-from einattn import EinattnError, MultiHeadAttention, patterns, ring
+from einattn import EinattnError, MultiHeadAttention, patterns, ring, sequence_parallel
 from einattn import parallel as par
 
-F64 = torch.float64
-TOL = 1e-10
-# n, L (cut into 4 or 6 chunks by 2 or 3 ranks), d_model, μ, a (even, for RoPE), g.
-N, L, D, MU, A, G = 3, 12, 11, 6, 4, 2
-BLOCK = 2  # chunked: several tiles in every chunk of 2, 3, 4 or 6 positions
 CHECKS: dict[str, object] = {}
 
 
@@ -32,80 +45,21 @@ def check(fn=None, *, name=None):
     return fn
 
 
-def make_layer(options: str, impl: str) -> MultiHeadAttention:
-    """A float64 layer with every parameter (the sinks too) random, the same on every rank;
-    a window of 5 keys reaches across chunks of 2, 3, 4 or 6."""
-    layer = MultiHeadAttention(D, MU, d_head=A, n_kv_heads=G if "gqa" in options else None,
-                               bias=True, dtype=F64, impl=impl, block_size=BLOCK,
-                               causal="causal" in options,
-                               rope="half" if "rope" in options else None,
-                               window=5 if "window" in options else None,
-                               softcap=1.5 if "softcap" in options else None,
-                               alibi="alibi" in options, sinks="sinks" in options)
-    with torch.no_grad():
-        for k, p in enumerate(layer.parameters()):
-            p.copy_(randn(*p.shape, seed=k) * p.shape[-1] ** -0.5)
-    return layer
-
-
-def padding_for(options: str) -> torch.Tensor | None:
-    """Key padding ``(n, L)``: sample 0 its last five positions, sample 1 its first two (so
-    its first rows see no key under causal), sample 2 every key (no row sees one)."""
-    if "padding" not in options:
-        return None
-    pad = torch.zeros(N, L, dtype=torch.bool)
-    pad[0, -5:], pad[1, :2], pad[2] = True, True, True
-    return pad
-
-
-def own_pattern(bias: torch.Tensor) -> list:
-    """Pieces of one's own, read at global positions: a Mask string (chunks of 4 positions,
-    and the first 3 keys for every query), a MaskMod and a ScoreMod capturing ``bias``."""
-    def relative(s, b, h, q, kv):
-        return s + bias[h, (q - kv).clamp(-8, 8) + 8]
-    return [patterns.Mask("⌊τ / 4⌋ = ⌊σ / 4⌋ ∨ σ < 3"),
-            patterns.MaskMod(lambda b, h, q, kv: (q - kv) % 5 != 1), patterns.ScoreMod(relative)]
-
-
-def compare(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
-    """The sequence-parallel layer against the same layer on the whole sequence (with
-    pieces of one's own: the gradient of the tensor a ScoreMod captures too)."""
-    ref = make_layer(options, impl)
-    lay = par.shard_sequence(copy.deepcopy(ref), mesh, layout=layout)
-    biases = [randn(MU, 17, seed=7).requires_grad_() for _ in range(2)]
-    if "own" in options:
-        ref.pattern, lay.pattern = own_pattern(biases[0]), own_pattern(biases[1])
-    x, T, pad = randn(N, L, D, seed=1, requires_grad=True), randn(N, L, D, seed=2), \
-        padding_for(options)
-    (ref(x, key_padding_mask=pad) * T).sum().backward()
-
-    def mine(t):
-        return None if t is None else par.split_sequence(t, mesh, layout=layout)
-
-    x_k = mine(x.detach()).requires_grad_()
-    pad_k = None if pad is None else mine(pad).T.contiguous().T  # strided, as a slice is
-    Y_k = lay(x_k, key_padding_mask=pad_k)
-    (Y_k * mine(T)).sum().backward()
-    errors = {"Y": scaled_error(par.gather_sequence(Y_k.detach(), mesh, layout=layout),
-                                ref(x, key_padding_mask=pad).detach()),
-              "dx": scaled_error(par.gather_sequence(x_k.grad, mesh, layout=layout), x.grad)}
-    for name, p in lay.named_parameters():
-        dist.all_reduce(p.grad)  # each rank's grad is its tokens' share
-        errors[f"d{name}"] = scaled_error(p.grad, getattr(ref, name).grad)
-    if "own" in options:  # a captured tensor's, as a parameter's
-        dist.all_reduce(biases[1].grad)
-        errors["dbias"] = scaled_error(biases[1].grad, biases[0].grad)
-    bad = {k: e for k, e in errors.items() if not e <= TOL}
-    assert not bad, f"errors above {TOL:g}: {bad}"
-    return errors
+def sequence_only(mesh, *, layout: str, impl: str, options: str) -> dict[str, float]:
+    """The sequence-parallel layer against the same layer on the whole sequence."""
+    ref, lay = reference(options, impl)
+    return compare(par.shard_sequence(lay, mesh, layout=layout), ref, mesh, layout=layout,
+                   options=options)
 
 
 CASES = ["causal gqa rope", "padding", "causal gqa padding",
-         "causal window softcap sinks gqa padding", "window alibi rope", "causal own gqa padding"]
+         "causal window softcap sinks gqa padding", "window alibi rope", "causal own gqa padding",
+         "causal documents gqa rope padding", "documents window softcap sinks alibi",
+         "same documents gqa", "prefix gqa rope", "local window alibi padding"]
 for _layout in ring.LAYOUTS:
     for _impl in ("chunked", "einsum"):
         for _options in CASES:
-            check(partial(compare, layout=_layout, impl=_impl, options=_options),
+            check(partial(sequence_only, layout=_layout, impl=_impl, options=_options),
                   name=f"compare[{_layout}, {_impl}, {_options}]")
 
 
@@ -114,12 +68,15 @@ def data_parallel_averages_per_rank_means(mesh):
     """Under DistributedDataParallel (which averages the ranks' gradients), a loss that is
     each rank's mean over its own tokens gives the gradient of the mean over all of them."""
     ref = make_layer("causal gqa rope", "chunked")
-    lay = nn.parallel.DistributedDataParallel(par.shard_sequence(copy.deepcopy(ref), mesh))
+    lay = nn.parallel.DistributedDataParallel(par.shard_sequence(copy.deepcopy(ref), mesh),
+                                              process_group=mesh.get_group())  # its ranks'
     x = randn(N, L, D, seed=3)
     ref(x).square().mean().backward()
     lay(par.split_sequence(x, mesh)).square().mean().backward()
-    return {f"d{name}": scaled_error(p.grad, getattr(ref, name).grad)
-            for name, p in lay.module.named_parameters()}
+    errors = {f"d{name}": scaled_error(p.grad, getattr(ref, name).grad)
+              for name, p in lay.module.named_parameters()}
+    assert max(errors.values()) <= TOL, errors
+    return errors
 
 
 @check
@@ -141,15 +98,13 @@ def split_then_gather(mesh):
     return {"layouts": list(ring.LAYOUTS)}
 
 
-def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
-    """name -> (call, match) for the errors that need a mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _sharded(mesh, options="causal", impl="chunked"):
+    return par.shard_sequence(make_layer(options, impl), mesh)
 
+
+def call_errors(mesh) -> dict[str, tuple[object, str]]:
+    """name -> (call, match) for the refusals of a sequence-parallel layer's calls."""
     R = mesh.size()
-
-    def sharded(options="causal", impl="chunked"):
-        return par.shard_sequence(make_layer(options, impl), mesh)
-
     x = randn(N, L // R, D, seed=5)
     forward_refusals = {
         "cache": r"takes no cache: a KVCache is for decoding",
@@ -157,33 +112,47 @@ def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
         "need_weights": r"takes no need_weights: the weights A\[n μ τ σ\] never exist whole",
         "positions": r"takes no positions: each rank's positions follow from the layout",
     }
-    calls = {name: (lambda name=name: sharded()(x, **{name: True}), match)
+    calls = {name: (lambda name=name: _sharded(mesh)(x, **{name: True}), match)
              for name, match in forward_refusals.items()}
     return {
         **calls,
-        "not divisible": (lambda: sharded()(randn(N, 5, D, seed=6)),
-                          rf"the whole sequence \(x's length × the mesh size\) has {5 * R} "
+        "not divisible": (lambda: _sharded(mesh)(randn(N, 5, D, seed=6)),
+                          rf"the whole sequence \(x's length × the mesh size {R}\) has {5 * R} "
                           rf"positions, which layout='zigzag' cannot cut into {2 * R} equal"),
-        "split not divisible": (lambda: par.split_sequence(torch.ones(2, 2 * R + 1), mesh),
-                                r"dim 1 of t has \d+ positions.*pad the sequence to a multiple"),
-        "2-D mesh": (lambda: par.shard_sequence(make_layer("", "chunked"),
-                                                init_device_mesh("cpu", (1, R))),
-                     r"shard_sequence needs a 1-D device mesh, got 2-D"),
-        "documents": (lambda: sharded()(x, document_ids=torch.zeros(N, L // R, dtype=int)),
-                      r"takes no document_ids: packed documents are not cut with the ring"),
-        "dynamic rope": (lambda: par.shard_sequence(
-            MultiHeadAttention(8, 2, rope="half", rope_scaling={
-                "rope_type": "dynamic", "factor": 2.0,
-                "max_position_embeddings": 8}), mesh),
-            r"rope_scaling 'dynamic' scales by the longest position"),
-        "sdpa": (lambda: sharded(impl="sdpa")(x),
+        "documents whole": (lambda: _sharded(mesh)(x, document_ids=torch.zeros(N, L, dtype=int)),
+                            rf"document_ids is torch.int64 of shape \({N}, {L}\), but a "
+                            rf"sequence-parallel layer needs integers \(n, L/R\) = "
+                            rf"\({N}, {L // R}\): this rank's part"),
+        "documents float": (lambda: _sharded(mesh)(x, document_ids=torch.zeros(N, L // R)),
+                            r"document_ids is torch.float32 of shape .* needs integers"),
+        "padding list": (lambda: _sharded(mesh)(x, key_padding_mask=[[True]]),
+                         r"key_padding_mask is list, but a sequence-parallel layer needs bool"),
+        "sdpa": (lambda: _sharded(mesh, impl="sdpa")(x),
                  r"runs each block with impl 'chunked' or 'einsum'.*got impl='sdpa'"),
-        "padding shape": (lambda: sharded()(x, key_padding_mask=torch.zeros(N, L, dtype=bool)),
+        "padding shape": (lambda: _sharded(mesh)(x, key_padding_mask=torch.zeros(N, L, dtype=bool)),
                           rf"key_padding_mask is torch.bool of shape \({N}, {L}\), but a "
                           rf"sequence-parallel layer needs bool \(n, L/R\) = \({N}, {L // R}\)"),
         "dropout": (lambda: par.shard_sequence(MultiHeadAttention(D, MU, d_head=A, dropout=0.1,
                                                                    dtype=F64), mesh)(x),
                     r"takes no dropout: each block runs the chunked path"),
+    }
+
+
+def sharding_errors(mesh) -> dict[str, tuple[object, str]]:
+    """name -> (call, match) for the refusals of shard_sequence and split_sequence."""
+    from torch.distributed.device_mesh import init_device_mesh
+    R = mesh.size()
+    return {
+        "split not divisible": (lambda: par.split_sequence(torch.ones(2, 2 * R + 1), mesh),
+                                r"dim 1 of t has \d+ positions.*pad the sequence to a multiple"),
+        "2-D mesh": (lambda: par.shard_sequence(make_layer("", "chunked"),
+                                                init_device_mesh("cpu", (1, R))),
+                     r"shard_sequence needs a 1-D device mesh, got 2-D"),
+        "dynamic rope": (lambda: par.shard_sequence(
+            MultiHeadAttention(8, 2, rope="half", rope_scaling={
+                "rope_type": "dynamic", "factor": 2.0,
+                "max_position_embeddings": 8}), mesh),
+            r"rope_scaling 'dynamic' scales by the longest position"),
         "head-parallel": (lambda: par.shard_sequence(
             par.shard_heads(make_layer("", "chunked"), mesh), mesh),
             r"already sharded by heads over a mesh of size"),
@@ -199,46 +168,34 @@ def sequence_errors(mesh) -> dict[str, tuple[object, str]]:
 
 @check
 def errors_with_a_mesh(mesh):
-    """Each raise that needs a mesh; returns the lines of einattn/parallel.py that raised."""
+    """Each raise that needs a mesh; returns the lines of einattn/sequence_parallel.py that
+    raised."""
     lines = set()
-    for call, match in sequence_errors(mesh).values():
-        with pytest.raises(EinattnError, match=match) as info:
-            call()
-        lines |= {f.lineno for f in _frames(info.tb, par.__file__)}
+    for call, match in {**call_errors(mesh), **sharding_errors(mesh)}.values():
+        lines |= raised_in(call, match, [sequence_parallel.__file__])
     return {"raise lines": sorted(lines)}
-
-
-def _frames(tb, path: str):
-    import traceback
-    from pathlib import Path
-
-    here = Path(path).resolve()
-    return [f for f in traceback.extract_tb(tb) if Path(f.filename).resolve() == here]
 
 
 # -- the processes --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
-def ranks(request, tmp_path_factory) -> list[dict]:
-    """Every check's (status, detail, seconds) on each rank of 2 or 3 processes."""
-    return run_checks(__name__, request.param, tmp_path_factory.mktemp("ring"))
+
+def on_three_ranks_slow(world: int) -> list[str]:
+    """On 3 ranks, the comparisons other than zigzag with chunked tiles and other than packed
+    documents (every layout and impl) run with EINATTN_SLOW=1: 2 ranks run them all."""
+    if world != 3:
+        return []
+    return [name for name in CHECKS if name.startswith("compare[")
+            and not name.startswith("compare[zigzag, chunked,") and "documents" not in name]
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_on_every_rank(ranks, name):
-    assert_on_every_rank(ranks, name)
+ranks, test_on_every_rank = rank_tests(__name__, [2, 3], CHECKS, slow=on_three_ranks_slow)
 
 
 def test_every_raise_site_of_sequence_parallelism_is_reached(ranks):
-    """STYLE §4: each ``raise`` in the sequence-parallel part of einattn/parallel.py has a
-    ``pytest.raises`` test on the ranks."""
-    reached = set()
-    for results in ranks:
-        status, detail, _ = results["errors_with_a_mesh"]
-        assert status == "ok", detail
-        reached |= set(detail["raise lines"])
-    sites = raise_sites(par.__file__, after="# -- sequence parallelism")
-    assert sites - reached == set(), f"raise sites with no test: lines {sorted(sites - reached)}"
+    """STYLE §4: each ``raise`` in einattn/sequence_parallel.py has a ``pytest.raises`` test
+    on the ranks."""
+    unreached = unreached_raise_sites(ranks, sequence_parallel.__file__)
+    assert not unreached, f"raise sites with no test: {sorted(unreached)}"
 
 
 # -- in this process ------------------------------------------------------------------------
@@ -301,6 +258,31 @@ def test_pairs_follow_the_chunks_global_order():
     assert len(ring.pairs((1, 2), (2, 0), 4, whole())) == 4
     (_, _, p), *_ = ring.pairs((1, 2), (2, 0), 4, window)
     assert p.masks == (patterns.Window(3),) and (p.frame.q0, p.frame.k0) == (4, 0)
+
+
+def test_pairs_that_share_no_document_are_skipped():
+    """With the whole sequence's document ids, a pair of chunks none of whose queries shares
+    a document with its keys is skipped (as causal skips a later chunk); a pair of one
+    document each side is whole (no mask work); within a pair, the tiles between two
+    documents are skipped."""
+    def whole(options):
+        return patterns.build(n=N, n_heads=1, L_q=L, L_k=L, dtype=torch.float64,
+                              device="cpu", document_ids=documents_for(options))
+    same = whole("same documents")  # documents [0, 4), [4, 8), [8, 12) on every n
+    kept = ring.pairs((0, 5), (0, 5), 2, same)  # 3 ranks, zigzag: rank 0's chunks 0 and 5
+    assert [(q, k) for q, k, _ in kept] == [(0, 0), (1, 1)]  # in documents 0 and 2
+    (_, _, p), = ring.pairs((3,), (2,), 2, same)  # positions 6, 7 against 4, 5: document 1
+    assert p.tiles(2) == [(0, 2, 0, 2, False)]
+    (_, _, p), = ring.pairs((1,), (0,), 3, same)  # 3, 4, 5 against 0, 1, 2: only 3 sees them
+    assert p.tiles(1) == [(0, 1, s, s + 1, False) for s in range(3)]
+    assert len(ring.pairs((0, 5), (0, 5), 2, whole("documents"))) == 4  # sample 1: one
+
+
+def test_documents_change_one_process_output():
+    """The ring's comparisons with documents could fail: the ids change the output."""
+    layer = make_layer("causal gqa", "chunked")
+    x = randn(N, L, D, seed=1)
+    assert (layer(x) - layer(x, document_ids=documents_for("documents"))).abs().max() > 0.1
 
 
 SINGLE_PROCESS_ERRORS = {
