@@ -42,8 +42,9 @@ def option_shapes(layer, bias: bool) -> dict:
     """The weights of the spec's options (module docstring), by name."""
     spec, μ, g, a, b = layer.spec, layer.n_heads, layer.n_kv_heads, layer.d_head, layer.d_value
     shapes = qk_norm.shapes(spec.qk_norm, μ, g, a) | differential.shapes(spec.differential, a)
-    if spec.gate:
-        shapes |= {"W_G": (μ * b, layer.d_model)} | ({"b_G": (μ * b,)} if bias else {})
+    if spec.gate:  # a gate per channel of the output heads Z (differential: (q r), 2b wide)
+        heads, width, i = output_shape(layer)
+        shapes |= {"W_G": (heads * width, i)} | ({"b_G": (heads * width,)} if bias else {})
     if spec.bias_kv:
         shapes |= {"bias_k": (g * a,), "bias_v": (g * b,)}
     return shapes

@@ -163,7 +163,7 @@ def _outputs(x, Q, K, V, stages: dict, w: dict, spec: Spec, call: Call):
         more = differential.combined(Z, lam, spec.differential, w["n_kv_heads"])
         Z, A = more["N"], None if A is None else differential.weights(A, lam)
     if spec.gate:
-        G = gate.gate_logits(x, w.get("W_G"), w.get("b_G"), w["n_heads"])
+        G = gate.gate_logits(x, w.get("W_G"), w.get("b_G"), w["W_O"].shape[0])
         Z = gate.gated(Z, G)
         more |= {"G": G, "Z_g": Z}
     Y = equations.combine_heads(Z, w["W_O"], w["b_O"])

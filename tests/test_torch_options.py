@@ -159,3 +159,16 @@ def test_the_zero_sink_is_a_piece_and_the_slots_refuse_what_they_cannot_take():
                                            r"its queries, but this layer has d_value=5 ≠ "
                                            r"d_head=4"):
         MultiHeadAttention(E, H, d_value=5).to_torch()
+
+
+def test_two_contexts_are_checked_by_name():
+    from einattn import cross
+    layer = MultiHeadAttention.from_torch(torch_mha(**OPTIONS["kdim ≠ vdim"]))
+    x = randn(N, L_Q, E, seed=8)
+    with pytest.raises(EinattnError, match=r"every key needs its value: C_K\[n σ j\] "
+                                           r"\(2, 7, 9\) and C_V\[n σ j\] \(2, 6, 11\) differ"):
+        layer(x, randn(N, L_K, KDIM, seed=9), randn(N, L_K - 1, VDIM, seed=10))
+    with pytest.raises(EinattnError, match=r"project the keys and the values from two "
+                                           r"contexts C_K\[n σ j\] and C_V\[n σ j\]: pass both"):
+        cross.project(x, layer.W_Q, randn(N, L_K, KDIM, seed=9), (layer.W_K, layer.W_V),
+                      n_heads=H)

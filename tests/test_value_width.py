@@ -168,3 +168,17 @@ def test_the_functional_form_takes_d_value():
                                            r"with μ=6, B=3, so a multiple of 18; with values of "
                                            r"their own width b = d_value = 6"):
         F.multi_head_attention(x, layer.W, layer.W_O, n_heads=H, d_value=6)
+
+
+def test_a_bias_of_the_wrong_length_and_values_of_another_width_in_a_cache_are_refused():
+    layer = make(n_kv_heads=G, bias=True)
+    x = randn(N, L, D, seed=13)
+    with pytest.raises(EinattnError, match=r"b has shape \(45,\) but b\[\(g e\)\] needs \(46,\), "
+                                           r"the rows of W"):
+        F.multi_head_attention(x, layer.W, layer.W_O, b=layer.b[:-1], n_heads=H,
+                               n_kv_heads=G, d_value=B)
+    cache = KVCache()
+    cache.append(torch.ones(N, G, 2, A), torch.ones(N, G, 2, B))
+    with pytest.raises(EinattnError, match=r"index 'b' has size 5 in the new values but 7 in "
+                                           r"the cache's V\[n g σ b\]"):
+        cache.append(torch.ones(N, G, 1, A), torch.ones(N, G, 1, 5))
