@@ -39,6 +39,15 @@ def check_positive_int(name: str, value) -> int:
     return value
 
 
+def check_max_length(max_length) -> int | None:
+    """A cache's ``max_length`` itself, once it is known to be None or an int ≥ 1."""
+    if max_length is not None and (isinstance(max_length, bool)
+                                   or not isinstance(max_length, int) or max_length < 1):
+        raise EinattnError(f"max_length (the most positions σ the cache holds) must be a "
+                           f"positive int, got {max_length!r}")
+    return max_length
+
+
 def check_dropout(dropout) -> float:
     """``dropout`` itself, once it is known to be a probability in ``[0, 1)``."""
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \

@@ -75,7 +75,7 @@ def contraction_rule(F: Field, subscripts: str, factors: list, k: int):
     inputs, out = subscripts.split("->")
     terms = inputs.split(",")
     mine = terms[k]
-    others = [(t, f._value()) for j, (t, f) in enumerate(zip(terms, factors, strict=True))
+    others = [(t, f.value()) for j, (t, f) in enumerate(zip(terms, factors, strict=True))
               if j != k]
     missing = next((v for _, v in others if isinstance(v, Missing)), None)
     if missing is not None:

@@ -147,7 +147,7 @@ class FieldTensor:
     def tracked(self) -> bool:
         return self.leaf or bool(self.parents)
 
-    def _value(self):
+    def value(self):
         """The values a rule multiplies by, or why there are none."""
         return self.values.t if isinstance(self.values, Values) else self.values
 
@@ -183,8 +183,8 @@ class FieldTensor:
             a.t * b.t % F.p, a.degree.times(b.degree), joined(a.uses, b.uses)))
         exponents = next((x.exponents for x in (self, other) if isinstance(x.exponents, Missing)),
                          Missing("inside exp, a product of two drawn values (no bound holds)"))
-        parents = tape.link((self, tape.times(F, other._value(), self.shape)),
-                            (other, tape.times(F, self._value(), other.shape)))
+        parents = tape.link((self, tape.times(F, other.value(), self.shape)),
+                            (other, tape.times(F, self.value(), other.shape)))
         return FieldTensor(F, shape, values, exponents, None, parents)
 
     def __truediv__(self, other: FieldTensor) -> FieldTensor:
@@ -227,7 +227,7 @@ class FieldTensor:
         exponents = _each(self.values, lambda a: Exponents(
             torch.zeros_like(a.t), a.t, {}, a.degree, a.uses))
         values = Missing("log outside exp: a logarithm has no value in a finite field")
-        v = self._value()
+        v = self.value()
         inverse = v if isinstance(v, Missing) else F.inverse(v)
         return FieldTensor(F, self.shape, values, exponents, None,
                            tape.link((self, tape.times(F, inverse, self.shape))))

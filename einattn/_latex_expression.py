@@ -105,7 +105,7 @@ class _Out:
         indices = {i for i in re.findall(r"[^\W\d][\wʹ]*",
                                          " ".join(re.findall(r"\[([^\]]*)\]", self.text)))}
         for k, r, inside in self.roots:
-            index = latex._scale_index(r, inside, indices, size_names)
+            index = latex.scale_index(r, inside, indices, size_names)
             self.pieces[k] = [f" / √{index.name}", index.col]
 
 
@@ -119,7 +119,7 @@ def read_expression(tex: str, size_names: Mapping[str, str] | None = None,
                       r.peek().col)
     w = _Out()
     reader = _Reader(w, dict(size_names or {}))
-    w.term(latex._term(r))
+    w.term(latex.read_term(r))
     token = r.take()
     if token.value != "=":
         raise r.error("expected '=' after the output tensor", token.col)
@@ -132,7 +132,7 @@ def read_expression(tex: str, size_names: Mapping[str, str] | None = None,
         try:
             build(w.text)
         except EinattnError as error:
-            raise latex._relocated(error, w.text, w.cols, r.shown) from None
+            raise latex.relocated(error, w.text, w.cols, r.shown) from None
     return w.text
 
 
@@ -218,7 +218,7 @@ class _Reader:
         if token.value == r"\sqrt":
             raise r.error(r"a square root divides: write / \sqrt{d_x} or \frac{…}{\sqrt{d_x}}",
                           token.col)
-        term = latex._term(r)
+        term = latex.read_term(r)
         if not term.axes:
             return self.w.put(term.name, term.col)  # a name with no index slot: a scalar
         self.w.term(term)
@@ -309,7 +309,7 @@ class _Reader:
                               f"{command}_{{\\sigma}}(…)", token.col)
             return self.call(r, "max", None, token.col)
         r.take()
-        places = [p for p in latex._places(r) if p]
+        places = [p for p in latex.read_places(r) if p]
         if len(places) != 1 or len(places[0].indices) != 1:
             raise r.error(f"{name} runs along one index", token.col)
         (axis,) = places[0].indices

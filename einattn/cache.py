@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ._checks import check_max_length
 from .errors import EinattnError
 from .patterns import Documents
 
@@ -44,11 +45,7 @@ class KVCache:
     """
 
     def __init__(self, max_length: int | None = None) -> None:
-        if max_length is not None and (isinstance(max_length, bool)
-                                       or not isinstance(max_length, int) or max_length < 1):
-            raise EinattnError(f"max_length (the most positions σ the cache holds) must be a "
-                               f"positive int, got {max_length!r}")
-        self.max_length = max_length
+        self.max_length = check_max_length(max_length)
         self.K: torch.Tensor | None = None
         self.V: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None  # (n, σ), True = padding, or None

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from . import functional, rotary
+from ._checks import check_dropout, check_impl
 from .errors import EinattnError
 from .latent_cache import FORMS, LatentCache
 from .notation import Equation
@@ -154,8 +155,8 @@ class LatentAttention(nn.Module):
         self.eps, self.scale = _check_number("eps", eps, zero=True), None if scale is None \
             else _check_number("scale", scale)
         self.causal, self.window, self.block_size = bool(causal), window, block_size
-        self.dropout = _check_dropout(dropout)
-        self.form, self.impl = check_form(form), _check_impl(impl)
+        self.dropout = check_dropout(dropout)
+        self.form, self.impl = check_form(form), check_impl(impl)
         self._make_parameters(bias, {"device": device, "dtype": dtype})
         self.reset_parameters()
 
@@ -359,18 +360,3 @@ def _check_number(name: str, value, zero: bool = False) -> float:
         raise EinattnError(f"{name} must be a finite {'non-negative' if zero else 'positive'} "
                            f"number, got {value!r}")
     return value
-
-
-def _check_dropout(dropout) -> float:
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
-            or not 0.0 <= dropout < 1.0:
-        raise EinattnError(f"dropout (the probability that a weight A[n μ τ σ] is zeroed) must "
-                           f"be a number in [0, 1), got {dropout!r}")
-    return dropout
-
-
-def _check_impl(impl) -> str:
-    if impl not in functional.IMPLS:
-        raise EinattnError(f"impl must be one of {', '.join(map(repr, functional.IMPLS))}, "
-                           f"got {impl!r}")
-    return impl

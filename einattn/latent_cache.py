@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ._checks import check_max_length
 from .errors import EinattnError
 
 FORMS = ("expanded", "absorbed")
@@ -41,11 +42,7 @@ class LatentCache:
     """
 
     def __init__(self, max_length: int | None = None) -> None:
-        if max_length is not None and (isinstance(max_length, bool)
-                                       or not isinstance(max_length, int) or max_length < 1):
-            raise EinattnError(f"max_length (the most positions σ the cache holds) must be a "
-                               f"positive int, got {max_length!r}")
-        self.max_length = max_length
+        self.max_length = check_max_length(max_length)
         self.form: str | None = None
         self.tensors: tuple[torch.Tensor, ...] | None = None  # each [n h σ w]
         self.padding: torch.Tensor | None = None  # (n, σ), True = padding, or None

@@ -111,22 +111,22 @@ def read(tex: str, size_names: Mapping[str, str] | None = None,
     r = Reader(tex, labels=frozenset(labels))
     out, product = _equation(r)
     indices = {i.name for t in (out, *product.terms) for i in t.indices()}
-    scale = _scale_index(r, product.scale, indices, size_names or {})
+    scale = scale_index(r, product.scale, indices, size_names or {})
     _check_sums(r, out, product)
     text, cols = _written(out, product.terms, scale)
     try:
         parse(text)
     except EinattnError as error:  # the same complaint, its carets moved into the LaTeX
-        raise _relocated(error, text, cols, r.shown) from None
+        raise relocated(error, text, cols, r.shown) from None
     return text
 
 
 def _equation(r: Reader) -> tuple[_Term, _Product]:
     if not any(t.value == "=" for t in r.tokens):
         raise r.error(f"no '=': this is an expression; {FORM}", r.peek().col)
-    out = _term(r)
+    out = read_term(r)
     if r.peek().value != "=":
-        second = _term(r)  # or an error saying why it is not a tensor either
+        second = read_term(r)  # or an error saying why it is not a tensor either
         raise r.error(f"the left side must be one tensor, the output: {FORM}", second.col)
     token = r.take()
     product = _Product()
@@ -152,14 +152,14 @@ def _factors(r: Reader, product: _Product) -> None:
         elif token.value == r"\sum":
             r.take()
             r.expect("_", r"after \sum")
-            product.sums += [i for place in _places(r) if place for i in place.indices]
+            product.sums += [i for place in read_places(r) if place for i in place.indices]
         elif token.value == r"\frac":
             _fraction(r, product)
         elif token.value == "/":
             r.take()
             _root(r, product, token.col)
         else:
-            product.terms.append(_term(r))
+            product.terms.append(read_term(r))
 
 
 def _fraction(r: Reader, product: _Product) -> None:
@@ -182,7 +182,7 @@ def _root(r: Reader, product: _Product, col: int) -> None:
     product.scale = r.braced(r"after \sqrt")
 
 
-def _term(r: Reader) -> _Term:
+def read_term(r: Reader) -> _Term:
     token = r.peek()
     if token.value == "(" or (token.value == r"\left" and r.peek(1).value == "("):
         r.take()
@@ -204,7 +204,7 @@ def _term(r: Reader) -> _Term:
                           f"{name}", mark.col)
         label = _label(r, name) if mark.value == "^" else None
         if label is None:
-            places[mark.value] = _places(r)
+            places[mark.value] = read_places(r)
         else:  # W^{O}: part of the name, W_O (before an accent's suffix: A_O_tilde)
             head, _, accent = name.rpartition("_")
             name = f"{head}_{label}_{accent}" if accent in _ACCENT_COMMANDS else f"{name}_{label}"
@@ -280,7 +280,7 @@ def _name(r: Reader, *, subscripted: bool) -> tuple[str, int]:
     return name + primes(r), token.col
 
 
-def _places(r: Reader) -> list[_Axis | None]:
+def read_places(r: Reader) -> list[_Axis | None]:
     """One sub- or superscript: an axis per index or group, None per ``\\ `` spacer."""
     if r.peek().value != "{":
         return [_Axis((_index(r),), False)]
@@ -333,7 +333,7 @@ def _label_advice(name: str, above: list[_Axis | None]) -> str:
             f" or pass labels={{{label!r}}}")
 
 
-def _scale_index(r: Reader, scale: Reader | None, indices: set[str],
+def scale_index(r: Reader, scale: Reader | None, indices: set[str],
                  size_names: Mapping[str, str]) -> _Index | None:
     """The index whose size ``\\sqrt{…}`` names (rules in the module docstring)."""
     if scale is None:
@@ -384,7 +384,7 @@ def _written(out: _Term, terms: list[_Term], scale: _Index | None) -> tuple[str,
     return "".join(text), cols
 
 
-def _relocated(error: EinattnError, text: str, cols: list[int], shown: str) -> EinattnError:
+def relocated(error: EinattnError, text: str, cols: list[int], shown: str) -> EinattnError:
     """``error``, raised about ``text``, with its carets under the LaTeX they came from."""
     lines = str(error).split("\n")
     if "  " + text not in lines:

@@ -40,7 +40,6 @@ import torch
 from . import _field_check, _sides
 from ._field_check import FieldResult, mask_draw
 from ._gradient_check import Autograd, GradientSides, gradient_sides
-from ._gradient_check import _bracketed as _bracketed  # an index string, for tests
 from .chain import Chain
 from .errors import EinattnError
 from .notation import Equation

@@ -10,7 +10,15 @@ import re
 import pytest
 import torch
 
-from einattn import EinattnError, Equation, chunked, functional, gradient_steps, verify
+from einattn import (
+    EinattnError,
+    Equation,
+    _gradient_check,
+    chunked,
+    functional,
+    gradient_steps,
+    verify,
+)
 from einattn.derivation import default_sizes
 from einattn.verify import check_equivalent, check_gradient
 
@@ -200,7 +208,7 @@ def test_the_tile_forwards_are_the_layers_equations(tile, full, rename):
     def renamed(**tensors):
         return full(**{rename[k]: v for k, v in tensors.items()}, g=Z["g"])
 
-    inputs = {t.name: verify._bracketed(t) for t in tile.terms}
+    inputs = {t.name: _gradient_check._bracketed(t) for t in tile.terms}
     assert check_equivalent(tile, renamed, Z, inputs=inputs).equal
 
 
