@@ -21,7 +21,7 @@ from einattn import temperature as temp
 from einattn.functional import masked_softmax
 from einattn.qk_norm import QKNorm
 from einattn.spec import Spec
-from tests.conftest import TOL, assert_close_scaled, randn, whole
+from tests.conftest import TOL, assert_close_scaled, left_padded, randn, refilled, whole
 
 F64 = torch.float64
 N, L, D, H, G, A, B = 2, 9, 30, 6, 2, 8, 10
@@ -43,24 +43,14 @@ OPTIONS = {  # name -> layer options
 
 def make(name: str, seed: int = 0, **more) -> MultiHeadAttention:
     options = {"n_kv_heads": G, "causal": True, **OPTIONS[name], **more}
-    layer = MultiHeadAttention(D, H, d_head=A, dtype=F64, **options)
-    with torch.no_grad():
-        for k, p in enumerate(layer.parameters()):
-            p.copy_(randn(*p.shape, seed=seed * 100 + k) * 0.4)
-    return layer
-
-
-def left_padded() -> torch.Tensor:
-    kpm = torch.zeros(N, L, dtype=torch.bool)
-    kpm[1, :3] = True
-    return kpm
+    return refilled(MultiHeadAttention(D, H, d_head=A, dtype=F64, **options), seed * 100, 0.4)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "chunked", "flex"])
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_every_impl_equals_einsum(name, impl):
     layer = make(name, block_size=4)
-    x, kpm = randn(N, L, D, seed=1), left_padded()
+    x, kpm = randn(N, L, D, seed=1), left_padded(N, L, 3)
     with torch.no_grad():  # flex on the CPU runs without gradients
         assert_close_scaled(layer(x, key_padding_mask=kpm, impl=impl)[~kpm],
                             layer(x, key_padding_mask=kpm)[~kpm], TOL[F64])
@@ -75,7 +65,7 @@ def test_cached_decoding_equals_the_full_forward(name, cache):
     """The temperature at the cache index, qk-norm before the keys are cached, the
     differential value pairs made from the cached values."""
     layer = make(name, seed=1)
-    x, kpm = randn(N, L, D, seed=2), left_padded()
+    x, kpm = randn(N, L, D, seed=2), left_padded(N, L, 3)
     c, outs = KVCache() if cache == "KVCache" else StaticKVCache(L + 1), []
     with torch.no_grad():
         for a, b in itertools.pairwise([0, 4, *range(5, L + 1)]):

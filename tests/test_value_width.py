@@ -16,24 +16,15 @@ import torch
 
 from einattn import EinattnError, KVCache, MultiHeadAttention, StaticKVCache, reference
 from einattn import functional as F
-from tests.conftest import TOL, assert_close_scaled, randn, whole
+from tests.conftest import TOL, assert_close_scaled, left_padded, randn, refilled, whole
 
 F64 = torch.float64
 N, L, D, H, G, A, B = 2, 9, 30, 6, 2, 4, 7
 
 
 def make(seed: int = 0, **options) -> MultiHeadAttention:
-    layer = MultiHeadAttention(D, H, d_head=A, d_value=B, dtype=F64, **options)
-    with torch.no_grad():
-        for k, p in enumerate(layer.parameters()):
-            p.copy_(randn(*p.shape, seed=seed * 10 + k) * 0.4)
-    return layer
-
-
-def left_padded() -> torch.Tensor:
-    kpm = torch.zeros(N, L, dtype=torch.bool)
-    kpm[1, :3] = True
-    return kpm
+    return refilled(MultiHeadAttention(D, H, d_head=A, d_value=B, dtype=F64, **options),
+                    seed * 10, 0.4)
 
 
 def test_the_layout_and_the_shapes():
@@ -85,15 +76,15 @@ def test_every_impl_equals_einsum(impl):
     layer = make(n_kv_heads=G, causal=True, window=5, rope="half", block_size=4)
     x = randn(N, L, D, seed=5)
     with torch.no_grad():  # flex on the CPU runs without gradients
-        assert_close_scaled(layer(x, key_padding_mask=left_padded(), impl=impl),
-                            layer(x, key_padding_mask=left_padded()), TOL[F64])
+        assert_close_scaled(layer(x, key_padding_mask=left_padded(N, L, 3), impl=impl),
+                            layer(x, key_padding_mask=left_padded(N, L, 3)), TOL[F64])
 
 
 @pytest.mark.parametrize("cache", [KVCache, lambda: StaticKVCache(L + 2)],
                          ids=["KVCache", "StaticKVCache"])
 def test_cached_decoding_equals_the_full_forward(cache):
     layer = make(n_kv_heads=G, causal=True, rope="interleaved")
-    x, kpm = randn(N, L, D, seed=6), left_padded()
+    x, kpm = randn(N, L, D, seed=6), left_padded(N, L, 3)
     c, outs = cache(), []
     with torch.no_grad():
         for a, b in itertools.pairwise([0, 4, *range(5, L + 1)]):
