@@ -39,7 +39,8 @@ def project(x: torch.Tensor, W_Q: torch.Tensor, context, W_KV, *, n_heads: int,
     """Equations (1q) and (1kv): ``Q[n μ τ a]`` from ``x``, ``K[n g σ a]`` and
     ``V[n g σ b]`` from ``context`` (with their biases ``b_Q[(μ a)]``, ``b_KV[(g B a)]``);
     values ``d_value`` wide by (1kv)'s ``W_KV[(g e) j]``; ``W_KV = (W_K, W_V)`` with
-    ``context = (C_K, C_V)`` (and ``b_KV = (b_K, b_V)``) by (1k) and (1v).
+    ``context = (C_K, C_V)`` (and ``b_KV = (b_K, b_V)``) by (1k) and (1v),
+    ``K[n σ g a] = C_K[n σ j] W_K[(g a) j]`` and ``V[n σ g b] = C_V[n σ j] W_V[(g b) j]``.
 
     >>> Q, K, V = project(torch.randn(2, 5, 16), torch.randn(16, 16), torch.randn(2, 7, 10),
     ...                   torch.randn(32, 10), n_heads=4)

@@ -33,6 +33,9 @@ from .notation import Equation
 LAMBDA = Equation("λ[] = exp(λ_q1[a] λ_k1[a]) − exp(λ_q2[a] λ_k2[a]) + λ_init")  # (D1)
 DIFFERENCE = Equation("Z_D[n (q r) τ c] = Z_1[n (q r) τ c] − λ · Z_2[n (q r) τ c]")  # (D4)
 LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+NORM_LATEX = (  # (D5) as the docs show it; torch code in combined()
+    r"N_{n (q r) \tau c} = (1 - \lambda_{\mathrm{init}}) \, \frac{(Z_{D})_{n (q r) \tau c}}"
+    r"{\sqrt{\frac{1}{d_c} \sum_{c'} (Z_{D})_{n (q r) \tau c'}^{2} + \epsilon}}")
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,8 @@ def value_pairs(V: torch.Tensor) -> torch.Tensor:
 
 
 def weight(w: dict, differential: Differential) -> torch.Tensor:
-    """(D1): λ from the four vectors in ``w``."""
+    """(D1): ``λ[] = exp(λ_q1[a] λ_k1[a]) − exp(λ_q2[a] λ_k2[a]) + λ_init``, from the four
+    vectors in ``w``."""
     given = [w.get(name) for name in LAMBDAS]
     if any(t is None for t in given):
         raise EinattnError("this attention is differential, but its weights hold no "
@@ -95,7 +99,8 @@ def weight(w: dict, differential: Differential) -> torch.Tensor:
 def combined(Z: torch.Tensor, lam: torch.Tensor, differential: Differential,
              n_kv_heads: int) -> dict:
     """(D4) and (D5): ``Z_D`` and ``N`` of the ``(q r)`` differential heads from
-    ``Z[n (δ q r) τ c]`` (``n_kv_heads`` groups ``(δ q)``)."""
+    ``Z[n (δ q r) τ c]`` (``n_kv_heads`` groups ``(δ q)``), its halves ``Z_1`` and ``Z_2``
+    (δ = 0, 1): ``Z_D[n (q r) τ c] = Z_1[n (q r) τ c] − λ · Z_2[n (q r) τ c]``."""
     Z_1, Z_2 = Z.chunk(2, dim=1)
     Z_D = DIFFERENCE(Z_1=Z_1, Z_2=Z_2, λ=lam, q=n_kv_heads // 2)
     work = Z_D.float() if Z_D.dtype in (torch.float16, torch.bfloat16) else Z_D

@@ -24,7 +24,8 @@ GATED = Equation("Z_g[n μ τ b] = Z[n μ τ b] · sigmoid(G[n μ τ b])")  # (G
 
 def gate_logits(x: torch.Tensor, W_G: torch.Tensor | None, b_G: torch.Tensor | None,
                 n_heads: int) -> torch.Tensor:
-    """(G1): ``G[n μ τ b]`` from ``X[n τ i]``."""
+    """(G1): ``G[n τ μ b] = X[n τ i] W_G[(μ b) i]`` (+ ``b_G[(μ b)]``), returned as
+    ``G[n μ τ b]``."""
     if W_G is None:
         raise EinattnError("this attention gates its output, but its weights hold no W_G "
                            "(a layer whose weights are sharded or substituted must hand it "

@@ -25,6 +25,12 @@ from .errors import EinattnError
 
 OVER = ("head", "heads")
 GAINS = ("gamma", "1+gamma", None)
+LATEX = {  # (QK1), (QK2) as the docs show them; torch code in normalised()
+    "head": r"\hat{Q}_{n \mu \tau a} = (\gamma_{Q})_{a} \, \frac{Q_{n \mu \tau a}}{\sqrt{"
+            r"\frac{1}{d_a} \sum_{a'} Q_{n \mu \tau a'}^{2} + \epsilon}}",
+    "heads": r"\hat{Q}_{n \mu \tau a} = (\gamma_{Q})_{\mu a} \, \frac{Q_{n \mu \tau a}}{"
+             r"\sqrt{\frac{1}{d_{\mu} d_a} \sum_{\mu' a'} Q_{n \mu' \tau a'}^{2} + \epsilon}}",
+}
 
 
 @dataclass(frozen=True)

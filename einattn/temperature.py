@@ -41,7 +41,8 @@ class Temperature:
 
 
 def factor(t: torch.Tensor, temperature: Temperature, dtype: torch.dtype) -> torch.Tensor:
-    """(T1), (T2): ``β[n τ]`` at the indices ``t[n τ]``."""
+    """(T1), (T2): ``β[n τ] = 1 + α · log(1 + F[n τ])`` at the indices ``t[n τ]``, with
+    ``F[n τ] = ⌊(t[n τ] + 1) / f⌋``."""
     F = torch.floor((t.to(dtype) + 1) / temperature.floor_scale)
     return FACTOR(F=F, α=temperature.attn_scale)
 
