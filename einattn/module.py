@@ -373,7 +373,9 @@ class MultiHeadAttention(nn.Module):
     def from_torch(cls, mha: nn.MultiheadAttention, **layer_options) -> MultiHeadAttention:
         """An equivalent layer from ``nn.MultiheadAttention``: its weights, bias or none, its
         dropout and its ``batch_first`` (``layer_options`` override them); ``kdim = vdim``
-        other than ``embed_dim`` makes a ``d_context`` layer."""
+        other than ``embed_dim`` makes a ``d_context`` layer, ``kdim ≠ vdim`` one of
+        ``d_context=(kdim, vdim)``; ``add_bias_kv`` and ``add_zero_attn`` make ``bias_kv``
+        (torch's ``bias_k``, ``bias_v`` copied) and ``zero_attn``."""
         return _torch_mha.from_torch(cls, mha, layer_options)
 
     def to_torch(self) -> nn.MultiheadAttention:

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FLEX_CPU, here, on_cpu_only
-from torch import nn
 
 import einattn
 from einattn import EinattnError, MultiHeadAttention
@@ -194,15 +193,6 @@ BAD = {
     "key_padding_mask-list": (_cross(key_padding_mask=[[False] * L_K] * N),
                               r"key_padding_mask has shape list but must be \(n, σ\) = \(2, 7\)"),
     # -- conversions -------------------------------------------------------------------------
-    "from_torch-kdim-vdim": (lambda: MultiHeadAttention.from_torch(
-        nn.MultiheadAttention(D, H, kdim=20, vdim=12)),
-        r"from_torch needs kdim = vdim \(one context C\[n σ j\] gives the keys and the "
-        r"values\), got kdim=20, vdim=12"),
-    "from_torch-vdim": (lambda: MultiHeadAttention.from_torch(nn.MultiheadAttention(D, H, vdim=12)),
-                        rf"from_torch needs kdim = vdim .*got kdim={D}, vdim=12"),
-    "from_torch-bias-kv": (lambda: MultiHeadAttention.from_torch(
-        nn.MultiheadAttention(D, H, add_bias_kv=True)),
-        r"from_torch needs no add_bias_kv or add_zero_attn"),
     "d_context-not-int": (lambda: _layer(d_context=2.5),
                           r"d_context must be a positive int, got 2.5"),
     "d_context-no-context": (lambda: _layer(d_context=7)(_x()),
