@@ -57,7 +57,8 @@ def written_as_expression(tex: str) -> bool:
 def names_a_function(tex: str) -> bool:
     """Whether ``tex`` calls an upright elementwise function (``\\operatorname{sigmoid}``),
     which the product reader would take for a tensor's name."""
-    return any(rf"{{{name}}}" in re.sub(r"\s", "", tex) for name in _NAMED_ELEMENTWISE)
+    return isinstance(tex, str) and any(rf"{{{name}}}" in re.sub(r"\s", "", tex)
+                                        for name in _NAMED_ELEMENTWISE)
 
 
 def _denominator(values: list[str], k: int) -> list[str]:
