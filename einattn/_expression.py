@@ -10,7 +10,8 @@ products (``+``, ``−`` or ``-``; a leading minus negates); a product is factor
 index's size, as in a contraction); a factor is a term ``X[…]``, a named scalar ``c``, a
 number, a parenthesised expression, or a function: a named-axis function ``softmax_σ``,
 ``logsumexp_σ``, ``max_σ``, ``sum_σ`` (the axis is the index after ``_``), an elementwise
-``exp``, ``log``, ``tanh``, or ``max(x, y)``, the elementwise maximum of two.
+``exp``, ``log``, ``tanh``, ``sigmoid`` (``1 / (1 + exp(−x))``), or ``max(x, y)``, the
+elementwise maximum of two.
 
 This module reads the text into a tree of frozen nodes, each with its span in the text, so
 that every error can point at its place; :mod:`einattn._expression_run` gives the tree its
@@ -27,9 +28,9 @@ from ._syntax import root as read_root
 from .errors import at
 
 AXIS_FUNCTIONS = ("softmax", "logsumexp", "max", "sum")  # f_σ(x): a function along σ
-ELEMENTWISE = ("exp", "log", "tanh")  # f(x), entry by entry
+ELEMENTWISE = ("exp", "log", "tanh", "sigmoid")  # f(x), entry by entry
 PAIRWISE = ("max",)  # f(x, y), entry by entry, broadcast by index name
-_KNOWN = "softmax_σ, logsumexp_σ, max_σ, sum_σ, exp, log, tanh, max(x, y)"
+_KNOWN = "softmax_σ, logsumexp_σ, max_σ, sum_σ, exp, log, tanh, sigmoid, max(x, y)"
 
 
 @dataclass(frozen=True)

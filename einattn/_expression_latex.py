@@ -17,7 +17,8 @@ from .latex import rendered_term, symbol
 
 _OPERATORS = {"softmax": r"\operatorname{softmax}", "logsumexp": r"\operatorname{logsumexp}",
               "max": r"\max", "sum": r"\sum"}
-_COMMANDS = {"exp": r"\exp", "log": r"\log", "tanh": r"\tanh", "max": r"\max"}
+_COMMANDS = {"exp": r"\exp", "log": r"\log", "tanh": r"\tanh", "max": r"\max",
+             "sigmoid": r"\operatorname{sigmoid}"}
 
 
 def render(parsed: Parsed) -> str:

@@ -57,6 +57,11 @@ def _maximum(x: Any, y: Any) -> Any:
     return x if x != x or x >= y else y  # NaN propagates, as torch.maximum's does
 
 
+def _sigmoid(x: float) -> float:
+    """``1 / (1 + e^(−x))`` of a number, without overflow for large ``−x``."""
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
 def _numbers_too(on_tensor: Callable, on_number: Callable) -> Callable:
     """A function of one tensor that takes a number (a Python float, float64) as well."""
     return lambda x: on_tensor(x) if isinstance(x, torch.Tensor) else on_number(x)
@@ -66,6 +71,7 @@ def _numbers_too(on_tensor: Callable, on_number: Callable) -> Callable:
 _ELEMENTWISE = {"exp": (torch.exp, _numbers_too(torch.exp, _exp)),
                 "log": (torch.log, _numbers_too(torch.log, _log)),
                 "tanh": (torch.tanh, _numbers_too(torch.tanh, math.tanh)),
+                "sigmoid": (torch.sigmoid, _numbers_too(torch.sigmoid, _sigmoid)),
                 "max": (torch.maximum, _maximum)}
 
 

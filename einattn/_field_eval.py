@@ -8,7 +8,7 @@ one reading of an equation, two ways to compute it.
 * ``max_σ(x)`` and ``max(x, y)``: a free value, drawn once per draw for each text of the
   argument (so that the same ``max_σ(S[τ σ])`` in two places, or on both sides of a step,
   is one value);
-* ``tanh``: no form (the step runs in float64).
+* ``tanh``, ``sigmoid``: no form (the step runs in float64).
 
 A side is an equation, a :class:`~einattn.chain.Chain` of them, or autograd's gradient of
 one (:func:`vjp`: reverse mode in the field, :mod:`einattn._field_tape`).
@@ -86,8 +86,8 @@ def _nothing(why: str):
 def _elementwise(node, reached: bool, text: str):
     if node.function == "max":
         return lambda x, y: _free(text, torch.broadcast_shapes(x.shape, y.shape))
-    if node.function == "tanh":
-        return _nothing("tanh has no finite-field form")
+    if node.function in ("tanh", "sigmoid"):
+        return _nothing(f"{node.function} has no finite-field form")
     return {"exp": FieldTensor.exp, "log": FieldTensor.log}[node.function]
 
 

@@ -9,6 +9,7 @@ For ``Out[o] = f(…, X[x], …)`` and the cotangent ``dOut[o]`` the gradient is
   divisors (Einstein's convention sums what the factor lacks: ``dQ[τ a] = dS[τ σ] K[σ a]``);
   a divisor ``d`` gets ``−dOut · value / d``;
 * ``exp(x)``: ``dx = dy · exp(x)``; ``log(x)``: ``dy / x``; ``tanh(x)``: ``dy · (1 − t·t)``;
+  ``sigmoid(x)``: ``dy · s · (1 − s)``;
   ``softmax_σ(x)``: ``dx = s · (dy − sum_σ(s · dy))``; ``logsumexp_σ(x)``: ``dy · softmax_σ(x)``;
   ``sum_σ(x)``: ``dy``, the same for every σ; where the function is the whole right side
   its value is the output itself (``A`` for ``A = softmax_σ(S)``);
@@ -147,6 +148,8 @@ def _backward_function(e: g.Fn, adjoint, value, wrt: str, found: list) -> None:
         down = g.product([adjoint], (x,))
     elif e.function == "tanh":
         down = g.product([adjoint, g.total([(1, g.ONE), (-1, g.product([value, value]))])])
+    elif e.function == "sigmoid":
+        down = g.product([adjoint, value, g.total([(1, g.ONE), (-1, value)])])
     elif e.function == "softmax":
         row = g.Fn("sum", e.axis, (g.product([value, adjoint]),))
         down = g.product([value, g.total([(1, adjoint), (-1, row)])])

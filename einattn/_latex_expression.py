@@ -26,6 +26,7 @@ from .errors import EinattnError
 
 _FUNCTIONS = {r"\exp": "exp", r"\log": "log", r"\tanh": "tanh"}
 _NAMED = ("softmax", "logsumexp")
+_NAMED_ELEMENTWISE = ("sigmoid",)  # \operatorname{sigmoid}(x), entry by entry
 _SIGNS = {"+", "-", r"\exp", r"\log", r"\tanh", r"\max"}
 
 
@@ -39,7 +40,7 @@ def written_as_expression(tex: str) -> bool:
     except EinattnError:
         return False
     values = [t.value for t in tokens]
-    if any(f"{{{name}}}" in "".join(values) for name in _NAMED):
+    if any(f"{{{name}}}" in "".join(values) for name in _NAMED + _NAMED_ELEMENTWISE):
         return True
     slots = []  # for each open brace, whether it holds index slots (after _ or ^)
     for k, value in enumerate(values):
@@ -51,6 +52,13 @@ def written_as_expression(tex: str) -> bool:
         if value == r"\frac" and _denominator(values, k + 1)[:1] != [r"\sqrt"]:
             return True
     return False
+
+
+def names_a_function(tex: str) -> bool:
+    """Whether ``tex`` calls an upright elementwise function (``\\operatorname{sigmoid}``),
+    which the product reader would take for a tensor's name."""
+    return isinstance(tex, str) and any(rf"{{{name}}}" in re.sub(r"\s", "", tex)
+                                        for name in _NAMED_ELEMENTWISE)
 
 
 def _denominator(values: list[str], k: int) -> list[str]:
@@ -203,6 +211,10 @@ class _Reader:
         if token.value in _FUNCTIONS:
             r.take()
             return self.call(r, _FUNCTIONS[token.value], None, token.col)
+        if self.operator(r) in _NAMED_ELEMENTWISE:
+            name = self.operator(r)
+            word(r, r.take())
+            return self.call(r, name, None, token.col)
         if token.value in (r"\max", r"\sum") or self.operator(r) is not None:
             return self.axis_function(r)
         if token.kind == "char" and (token.value.isdigit() or token.value == "."):
@@ -324,7 +336,7 @@ class _Reader:
         while k < len(r.tokens) and r.tokens[k].value != "}":
             text += r.tokens[k].value
             k += 1
-        return text if text in _NAMED else None
+        return text if text in _NAMED + _NAMED_ELEMENTWISE else None
 
     def number(self, r: Reader) -> None:
         start, digits = r.peek().col, ""

@@ -124,7 +124,7 @@ class KVCache:
             return (K, V) if self.K is None else (torch.cat([self.K, K], dim=2),
                                                   torch.cat([self.V, V], dim=2))
         store = self._storage
-        if store is None or store[0].shape[2] < L or not _fits(store[0], K):
+        if store is None or store[0].shape[2] < L or not _fit(store, K, V):
             capacity = self.max_length or L + max(L // 4, HEADROOM)
             store = tuple(t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in (K, V))
             if before:  # the cached part, copied once into the larger storage
@@ -170,25 +170,30 @@ class KVCache:
                key_padding_mask: torch.Tensor | None) -> None:
         check_new(K, V, key_padding_mask)
         if self.K is not None:
-            for index, axis in (("n", 0), ("g", 1), ("a", 3)):
-                if K.shape[axis] != self.K.shape[axis]:
+            for index, axis, name, new, old in (("n", 0, "keys", K, self.K),
+                                                ("g", 1, "keys", K, self.K),
+                                                ("a", 3, "keys", K, self.K),
+                                                ("b", 3, "values", V, self.V)):
+                if new.shape[axis] != old.shape[axis]:
+                    held = "K[n g σ a]" if name == "keys" else "V[n g σ b]"
                     raise EinattnError(
-                        f"index {index!r} has size {K.shape[axis]} in the new keys but "
-                        f"{self.K.shape[axis]} in the cache's K[n g σ a]; call "
-                        f"cache.reset() to start another sequence")
+                        f"index {index!r} has size {new.shape[axis]} in the new {name} but "
+                        f"{old.shape[axis]} in the cache's {held}; call cache.reset() to "
+                        f"start another sequence")
             if K.dtype != self.K.dtype or K.device != self.K.device:
                 raise EinattnError(f"new keys are {K.dtype} on {K.device} but the cache holds "
                                    f"{self.K.dtype} on {self.K.device}")
 
 
 def check_new(K: torch.Tensor, V: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:
-    """A call's new keys and values ``[n g σ a]``, alike, and its key padding ``(n, σ)``."""
+    """A call's new keys ``[n g σ a]`` and values ``[n g σ b]``, alike but for their width,
+    and its key padding ``(n, σ)``."""
     for name, t in (("K", K), ("V", V)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise EinattnError(f"the new {name}[n g σ a] must be a 4-D tensor, got {shape}")
-    if V.shape != K.shape or V.dtype != K.dtype or V.device != K.device:
-        raise EinattnError(f"every new key K[n g σ a] needs its value V[n g σ a]: K is "
+    if V.shape[:3] != K.shape[:3] or V.dtype != K.dtype or V.device != K.device:
+        raise EinattnError(f"every new key K[n g σ a] needs its value V[n g σ b]: K is "
                            f"{tuple(K.shape)} {K.dtype} on {K.device} but V is "
                            f"{tuple(V.shape)} {V.dtype} on {V.device}")
     n, L = K.shape[0], K.shape[2]
@@ -205,6 +210,11 @@ def _fits(storage: torch.Tensor, K: torch.Tensor) -> bool:
     device): a cache reset for a sequence of another batch makes new storage."""
     return (storage.shape[:2] == K.shape[:2] and storage.shape[3] == K.shape[3]
             and storage.dtype == K.dtype and storage.device == K.device)
+
+
+def _fit(storage: tuple, K: torch.Tensor, V: torch.Tensor) -> bool:
+    """Whether both storages kept from before hold keys like ``K`` and values like ``V``."""
+    return _fits(storage[0], K) and _fits(storage[1], V)
 
 
 def _no_padding(n: int, L: int, like: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from . import circuits, cross, functional, layouts, linear, reference, rotary
 from . import field_steps as _field
 from . import gradient_steps as _gradient
+from . import model_steps as _models
 from . import pattern_steps as _pattern
 from . import ring_steps as _ring
 from ._step import Step
@@ -388,6 +389,7 @@ def steps(sizes: dict[str, int] | None = None) -> list[Step]:
         *_numerical(_ring.steps(s)),
         *_gradient.steps(s),
         *_field.steps(s),
+        *_models.steps(s),
     ]
 
 
@@ -427,6 +429,7 @@ def mutations(sizes: dict[str, int] | None = None) -> list[Step]:
         *_numerical(_ring.mutations(s)),
         *_gradient.mutations(s),
         *_field.mutations(s),
+        *_models.mutations(s),
     ]
 
 

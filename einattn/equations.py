@@ -26,12 +26,34 @@ HEAD_TERMS = Equation("Y_μ[n μ τ i] = Z[n μ τ a] W_O[μ a i]")
 PROJECT_GQA = Equation("P[n τ g C a] = X[n τ i] W[(g C a) i]")
 SCORES_GQA = Equation("S[n (g r) τ σ] = Q[n (g r) τ a] K[n g σ a] / √a")
 VALUES_GQA = Equation("Z[n (g r) τ a] = A[n (g r) τ σ] V[n g σ a]")
+PROJECT_WIDE = Equation("P[n τ g e] = X[n τ i] W[(g e) i]")  # (1b): e = (r a | a | b)
 
 
 def open_fused(W: torch.Tensor, n_heads: int, n_kv_heads: int | None = None) -> torch.Tensor:
     """View the fused weight ``W[(g C a) i]`` as ``W[g C a i]`` after checking its rows
     (``W[(μ B a) i]`` as ``W[μ B a i]`` without grouping)."""
     return _opened(W, *_fused_groups(W, n_heads, n_kv_heads))
+
+
+def head_widths(W: torch.Tensor, n_heads: int, n_kv_heads: int | None,
+                d_value: int | None) -> tuple[int, int, int, int]:
+    """``(g, r, a, b)`` of a fused weight whose value heads are ``d_value`` (b) wide: its rows
+    ``(g e)``, each group's ``e = (r a | a | b)`` (its queries, its key, its value), checked;
+    ``W[(g C a) i]`` where ``d_value`` is None or ``a``."""
+    g, r = layouts.groups(n_heads, n_kv_heads)
+    _check_2d(W)
+    rows, C = W.shape[0], r + 2
+    if d_value is None or (rows % (g * C) == 0 and rows // (g * C) == d_value):
+        g, r = _fused_groups(W, n_heads, n_kv_heads)
+        return g, r, rows // (g * C), rows // (g * C)
+    per_group, left = divmod(rows, g)
+    if left or per_group <= d_value or (per_group - d_value) % (r + 1):
+        layout = "W[(μ B a) i] needs μ·B·a" if r == 1 else "W[(g C a) i] needs g·C·a"
+        raise EinattnError(f"W has {rows} rows; {layout} rows with {_counts(g, r)}, so a "
+                           f"multiple of {g * C}; with values of their own width "
+                           f"b = d_value = {d_value}, W[(g e) i] needs g·((r+1)·a + b) rows "
+                           f"(g={g}, r={r}, a ≥ 1)")
+    return g, r, (per_group - d_value) // (r + 1), d_value
 
 
 def _opened(W: torch.Tensor, g: int, r: int) -> torch.Tensor:
@@ -41,9 +63,7 @@ def _opened(W: torch.Tensor, g: int, r: int) -> torch.Tensor:
 
 def _fused_groups(W, n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:
     """``(g, r)`` for a fused weight whose rows have been checked against them."""
-    if not isinstance(W, torch.Tensor) or W.ndim != 2:
-        shape = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
-        raise EinattnError(f"W must be 2-D W[(μ B a) i], got {shape}")
+    _check_2d(W)
     g, r = layouts.groups(n_heads, n_kv_heads)
     if W.shape[0] % (g * (r + 2)):
         layout = "W[(μ B a) i] needs μ·B·a" if r == 1 else "W[(g C a) i] needs g·C·a"
@@ -53,25 +73,36 @@ def _fused_groups(W, n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:
     return g, r
 
 
+def _check_2d(W) -> None:
+    if not isinstance(W, torch.Tensor) or W.ndim != 2:
+        shape = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
+        raise EinattnError(f"W must be 2-D W[(μ B a) i], got {shape}")
+
+
 def _counts(g: int, r: int) -> str:
     return f"μ={g}, B=3" if r == 1 else f"g={g}, C=r+2={r + 2}"
 
 
 def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
                 n_kv_heads: int | None = None, b: torch.Tensor | None = None,
-                context: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                context: torch.Tensor | None = None,
+                d_value: int | None = None) -> tuple[torch.Tensor, ...]:
     """Equation (1): queries, keys and values of every head in one contraction.
 
     ``P[n τ μ B a] = X[n τ i] W[(μ B a) i] (+ b[(μ B a)])``; B runs over Q, K, V. With a
     ``context``, Q is projected from ``x`` and K, V from ``context`` (cross-attention).
     With ``n_kv_heads`` it is (1g), ``P[n τ g C a] = X[n τ i] W[(g C a) i]``: Q has
-    ``n_heads`` heads ``μ = (g r)``, K and V have ``n_kv_heads``.
+    ``n_heads`` heads ``μ = (g r)``, K and V have ``n_kv_heads``. With value heads of their
+    own width ``d_value`` (b ≠ a) it is (1b), ``P[n τ g e] = X[n τ i] W[(g e) i]``, each
+    group's rows ``e = (r a | a | b)``: ``V[n g σ b]``.
 
     >>> Q, K, V = project_qkv(torch.randn(2, 5, 16), torch.randn(48, 16), n_heads=4)
     >>> tuple(Q.shape), tuple(K.shape)
     ((2, 4, 5, 4), (2, 4, 5, 4))
     """
-    g, r = _fused_groups(W, n_heads, n_kv_heads)
+    g, r, a, d_value = head_widths(W, n_heads, n_kv_heads, d_value)
+    if d_value != a:
+        return _project_wide(x, W, b, context, g, (r * a, a, d_value))
     b3 = None if b is None else _open_bias(b, g, r + 2, W.shape[0] // (g * (r + 2)))
     if context is None:  # W as it lies: the matmul reads W[(g C a) i] as an nn.Linear weight
         P = PROJECT(X=x, W=W, μ=g, B=3) if r == 1 else PROJECT_GQA(X=x, W=W, g=g, C=r + 2)
@@ -81,6 +112,33 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
     (Q,) = _slots(_project(x, W4[:, :r], None if b3 is None else b3[:, :r], r > 1), r)
     K, V = _slots(_project(context, W4[:, r:], None if b3 is None else b3[:, r:], r > 1), 1, 1)
     return Q, K, V
+
+
+def _project_wide(x, W, b, context, g: int, widths: tuple[int, int, int]):
+    """Equation (1b): ``P[n τ g e] = X[n τ i] W[(g e) i] (+ b[(g e)])``, P split along e
+    into the queries ``(r a)``, the key ``a`` and the value ``b`` of each group (the keys and
+    values from ``context`` where one is given)."""
+    if b is not None and (not isinstance(b, torch.Tensor) or b.shape != W.shape[:1]):
+        got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+        raise EinattnError(f"b has shape {got} but b[(g e)] needs ({W.shape[0]},), the rows "
+                           f"of W")
+    q = widths[0]
+    b2 = None if b is None else _in_autocast_dtype(b.view(g, -1))
+    if context is None:
+        Q, K, V = _wide(x, W, b2, g).split(widths, -1)
+    else:
+        _cross.check_same_width(x, context)
+        W3 = torch.unflatten(W, 0, (g, -1))
+        Q = _wide(x, W3[:, :q].flatten(0, 1), None if b2 is None else b2[:, :q], g)
+        K, V = _wide(context, W3[:, q:].flatten(0, 1), None if b2 is None else b2[:, q:],
+                     g).split(widths[1:], -1)
+    Q = torch.unflatten(Q, -1, (-1, widths[1])).permute(*_HEADS_FIRST).flatten(1, 2)
+    return Q, K.transpose(1, 2), V.transpose(1, 2)
+
+
+def _wide(x: torch.Tensor, W: torch.Tensor, b2, g: int) -> torch.Tensor:
+    P = PROJECT_WIDE(X=x, W=W, g=g)
+    return P if b2 is None else P + b2
 
 
 def _project(x: torch.Tensor, W4: torch.Tensor, b3: torch.Tensor | None,

@@ -106,7 +106,7 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
                          sinks: torch.Tensor | None = None,
                          document_ids: torch.Tensor | None = None, pattern=None,
                          W_KV: torch.Tensor | None = None, b_KV: torch.Tensor | None = None,
-                         is_causal=None):
+                         d_value: int | None = None, is_causal=None):
     """Equations (1)–(5) composed: ``Y[n τ i]`` from ``X[n τ i]``.
 
     ``dropout`` is applied to ``A`` (pass 0 outside training). ``need_weights=True``
@@ -128,7 +128,9 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
     patterns of equation (3), as in :func:`attention`, and so is ``pattern``. With ``W_KV``
     (and ``b_KV``) the context has a width of its own: ``W`` is then ``W_Q[(μ a) i]`` and
     equation (1) splits into (1q) and (1kv) (:mod:`einattn.cross`). ``is_causal`` (PyTorch's
-    name) is refused: einattn's is ``causal``.
+    name) is refused: einattn's is ``causal``. ``d_value`` (b) makes the values of each
+    head b wide, not a: ``W[(g e) i]`` with each group's rows ``e = (r a | a | b)``, equation
+    (1b), and ``W_O[μ b i]``.
 
     ``impl`` chooses how equations (2)–(4) run, on the same parameters: ``"einsum"`` (the
     equations as written; under ``torch.compile`` routed to SDPA, which Inductor fuses),
@@ -146,7 +148,7 @@ def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *,
                 rope_base, rope_scaling, rotary_dim)
     refuse_is_causal(is_causal)
     w = {"W": W, "W_O": W_O, "b": b, "b_O": b_O, "W_KV": W_KV, "b_KV": b_KV, "sinks": sinks,
-         "alibi": alibi, "n_heads": n_heads, "n_kv_heads": n_kv_heads}
+         "alibi": alibi, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "d_value": d_value}
     return composition.multi_head(x, w, spec, composition.Call(
         context, mask, key_padding_mask, causal, None, positions, cache, document_ids,
         need_weights, return_intermediates))

@@ -4,7 +4,8 @@
 interface (:func:`check`).
 
 ``layer(module)`` reads one attention module of a ``transformers`` model, its weights and
-its ``config``, and returns an equal :class:`~einattn.MultiHeadAttention`: its forward on
+its ``config``, and returns an equal :class:`~einattn.MultiHeadAttention` (DeepSeek's: a
+:class:`~einattn.LatentAttention`, by :meth:`~einattn.LatentAttention.from_hf`): its forward on
 the hidden states ``x[n τ i]`` equals the module's forward on them, given the causal mask
 and the positions ``0 … L−1`` that the model hands it (pass ``positions=`` for others).
 What the layer takes from where:
@@ -24,12 +25,16 @@ What the layer takes from where:
 * the attention patterns of equation (3): the sliding window this layer attends within
   (``sliding_window``, per layer where ``config.layer_types`` says so), Gemma 2's logit
   soft-capping (``attn_logit_softcapping``), gpt-oss's sinks (its ``sinks`` parameter, one
-  logit per head).
+  logit per head);
+* what today's models compute around (1)–(5), by class (:mod:`einattn._hf_layers`): the
+  qk-norm of Qwen3, Gemma 3, OLMo 2 and Qwen3-Next, Qwen3-Next's output gate, DiffLlama's
+  differential attention, Llama 4's chunked and NoPE layers.
 
 What einattn's layer cannot compute yet raises :class:`~einattn.EinattnError` naming the
-option and the model: normalised queries and keys (``q_norm``, ``k_norm``), a
-``rope_type`` other than linear, dynamic, llama3 or yarn, cross-attention, and any class
-not in :data:`ROPE_STYLES` or GPT-2's. Nothing is left out silently.
+option and the model: a ``rope_type`` other than linear, dynamic, llama3 or yarn,
+cross-attention, DeepSeek with fewer key/value heads than heads, a bidirectional Gemma 3,
+and any class not in :data:`ROPE_STYLES`, :data:`MODELS` or GPT-2's. Nothing is left out
+silently.
 
 ``transformers`` is never imported by ``import einattn`` or ``import einattn.hf`` (only
 :func:`register` imports it): a module is recognised by its exact class (a subclass may have
@@ -45,11 +50,15 @@ import threading
 import warnings
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 
-from . import composition, layouts, rotary
+from . import _hf_layers, composition, layouts
+from ._hf_layers import detached as _detached
+from ._hf_layers import llama_family
+from ._hf_layers import scale_of as _scale
+from ._latent_hf import CLASSES as LATENT
 from .errors import EinattnError
+from .latent import LatentAttention
 from .module import MultiHeadAttention
 from .spec import Spec
 
@@ -67,14 +76,16 @@ ROPE_STYLES = {
     "GptOssAttention": "half",  # with sinks, biases and alternating sliding windows
 }
 GPT2 = "GPT2Attention"
-
-# Submodules that normalise queries or keys per head before the scores: einattn has none.
+# Submodules that normalise queries or keys in the classes above, as einattn's layer does not
+# (StableLM's qk_layernorm: a LayerNorm per head, with its mean and bias).
 _QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+# Today's models (docs/models.md): the Llama family with more around (1)–(5), and DeepSeek's.
+MODELS = (*_hf_layers.CONVERTERS, *LATENT)
 
-
-def layer(module: nn.Module) -> MultiHeadAttention:
+def layer(module: nn.Module) -> MultiHeadAttention | LatentAttention:
     """An einattn layer equal to one Hugging Face attention ``module`` (GPT-2, Llama,
-    Mistral, Qwen2, Gemma, Gemma 2, StableLM, GLM), on its device, in its dtype, holding
+    Mistral, Qwen2, Gemma, Gemma 2, StableLM, GLM, gpt-oss; Qwen3, Gemma 3, OLMo 2,
+    Qwen3-Next, DiffLlama, Llama 4, DeepSeek V2 and V3), on its device, in its dtype, holding
     copies of its weights.
 
     For ``model.model.layers[k].self_attn`` (``model.transformer.h[k].attn`` for GPT-2),
@@ -93,16 +104,19 @@ def layer(module: nn.Module) -> MultiHeadAttention:
     if not isinstance(module, nn.Module) or config is None:
         raise EinattnError(f"not a Hugging Face attention module (no config): "
                            f"{type(module).__name__}")
-    who = _describe(module)
-    _refuse_what_einattn_lacks(module, config, who)
-    kind = type(module).__name__
+    who, kind = _describe(module), type(module).__name__
+    _refuse_what_einattn_lacks(module, who)
     if not type(module).__module__.startswith("transformers.") or (
-            kind != GPT2 and kind not in ROPE_STYLES):
-        known = ", ".join([GPT2, *ROPE_STYLES])
+            kind != GPT2 and kind not in ROPE_STYLES and kind not in MODELS):
+        known = ", ".join([GPT2, *ROPE_STYLES, *MODELS])
         raise EinattnError(f"einattn.hf.layer knows {known} (exact classes, from "
                            f"transformers); got {who} from {type(module).__module__}")
-    converted = _gpt2(module, who) if kind == GPT2 else _rotary(module, config,
-                                                                ROPE_STYLES[kind], who)
+    if kind in LATENT:
+        return LatentAttention.from_hf(module)
+    if kind in _hf_layers.CONVERTERS:
+        return _hf_layers.CONVERTERS[kind](module, config, who)
+    converted = _gpt2(module, who) if kind == GPT2 else llama_family(module, config, who,
+                                                                     ROPE_STYLES[kind])
     return converted.train(module.training)
 
 
@@ -111,28 +125,15 @@ def _describe(module: nn.Module) -> str:
     return f"{type(module).__name__} (model_type {model_type!r})"
 
 
-def _refuse_what_einattn_lacks(module: nn.Module, config, who: str) -> None:
-    """Raise for each thing the module computes that einattn's layer has no option for."""
-    for name in _QK_NORMS:
+def _refuse_what_einattn_lacks(module: nn.Module, who: str) -> None:
+    """Raise for what the module computes that einattn's layer has no option for."""
+    for name in _QK_NORMS if type(module).__name__ not in MODELS else ():
         if getattr(module, name, None) is not None:
             raise EinattnError(f"{who} normalises queries and keys per head ({name}) before "
-                               f"the scores; einattn's layer has no such step")
+                               f"the scores, as einattn's qk_norm (an RMS norm) does not")
     if getattr(module, "is_cross_attention", False):
         raise EinattnError(f"{who} is a cross-attention module (is_cross_attention=True, keys "
                            f"from the encoder); einattn.hf.layer converts self-attention only")
-
-
-def _sliding_window(module: nn.Module, config) -> int | None:
-    """The window this layer attends within, as the model decides it: the module's own
-    ``sliding_window`` where it keeps one (Qwen2, Gemma 2: set for the layers that
-    ``config.layer_types`` calls "sliding_attention"), else the config's for every layer
-    (Mistral)."""
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    layer_types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if layer_types is not None and index is not None:
-        return config.sliding_window if layer_types[index] == "sliding_attention" else None
-    return getattr(config, "sliding_window", None)
 
 
 def _gpt2(module: nn.Module, who: str) -> MultiHeadAttention:
@@ -149,73 +150,6 @@ def _gpt2(module: nn.Module, who: str) -> MultiHeadAttention:
     return MultiHeadAttention.from_fused(
         W, W_O, b, b_O, causal=bool(module.is_causal), dropout=module.attn_dropout.p,
         scale=_scale(module, module.head_dim))
-
-
-def _rotary(module: nn.Module, config, style: str, who: str) -> MultiHeadAttention:
-    """The Llama family: four ``nn.Linear`` projections, grouped heads, RoPE."""
-    a = module.head_dim
-    q, k, v, o = (getattr(module, f"{p}_proj") for p in "qkvo")
-    n_heads, n_kv_heads = q.weight.shape[0] // a, k.weight.shape[0] // a
-    heads = {"n_heads": n_heads, "n_kv_heads": n_kv_heads}
-    W, W_O = layouts.from_hf_llama(*(p.weight.detach() for p in (q, k, v, o)), **heads)
-    b = None
-    if any(p.bias is not None for p in (q, k, v)):  # Qwen2: q, k and v only
-        b_q, b_k, b_v = (p.weight.new_zeros(p.weight.shape[0]) if p.bias is None
-                         else p.bias.detach() for p in (q, k, v))
-        b = layouts.fuse_qkv(b_q, b_k, b_v, **heads)
-    options = {**_rope_options(config, style, a, who), **_patterns(module, config)}
-    try:  # the layer checks the options: its message, with the model's name
-        converted = MultiHeadAttention.from_fused(
-            W, W_O, b, _detached(o.bias), n_kv_heads=n_kv_heads, causal=bool(module.is_causal),
-            dropout=module.attention_dropout, scale=_scale(module, a), **options)
-    except EinattnError as e:
-        raise EinattnError(f"{who}: {e}") from None
-    if converted.sinks is not None:
-        with torch.no_grad():
-            converted.sinks.copy_(module.sinks)
-    return converted
-
-
-def _patterns(module: nn.Module, config) -> dict:
-    """The terms of equation (3) this module computes: its window, its softcap, its sinks."""
-    softcap = getattr(module, "attn_logit_softcapping", None)
-    softcap = getattr(config, "attn_logit_softcapping", None) if softcap is None else softcap
-    return {"window": _sliding_window(module, config), "softcap": softcap,
-            "sinks": getattr(module, "sinks", None) is not None}
-
-
-def _rope_options(config, style: str, d_head: int, who: str) -> dict:
-    """``rope``, ``rope_base``, ``rope_scaling`` and ``rotary_dim`` from
-    ``config.rope_parameters``; "default" is no scaling, "dynamic" also takes the config's
-    ``max_position_embeddings`` (its L₀)."""
-    params = config.rope_parameters
-    kind = params.get("rope_type", "default")
-    if kind not in rotary.SCALING_KEYS:
-        raise EinattnError(f"{who} has rope_parameters with rope_type {kind!r}; einattn's "
-                           f"rope_scaling has {', '.join(map(repr, rotary.SCALING_KEYS))}")
-    # A key HF reads with .get() may be None, which it treats as absent (truncate: as False)
-    scaling = {key: value for key, value in params.items()
-               if key not in ("rope_theta", "partial_rotary_factor")
-               and (value is not None or key == "truncate")}
-    if kind == "yarn" and "factor" not in scaling:  # HF: the ratio of the two lengths
-        scaling["factor"] = (config.max_position_embeddings
-                             / scaling["original_max_position_embeddings"])
-    if kind == "dynamic":
-        scaling["max_position_embeddings"] = config.max_position_embeddings
-    fraction = params.get("partial_rotary_factor")
-    rotary_dim = None if fraction is None else int(d_head * fraction)
-    return {"rope": style, "rope_base": params["rope_theta"],
-            "rope_scaling": None if kind == "default" else scaling,
-            "rotary_dim": None if rotary_dim == d_head else rotary_dim}
-
-
-def _scale(module: nn.Module, d_head: int) -> float | None:
-    """``module.scaling`` where it is not the default ``1/√a`` (None: the default)."""
-    return None if module.scaling == d_head ** -0.5 else float(module.scaling)
-
-
-def _detached(t):
-    return None if t is None else t.detach()
 
 
 # -- whole models: einattn as a Hugging Face attention implementation -----------------------

@@ -82,33 +82,43 @@ def groups(n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:
 def fuse_qkv(W_q: torch.Tensor, W_k: torch.Tensor, W_v: torch.Tensor, *, n_heads: int,
              n_kv_heads: int | None = None) -> torch.Tensor:
     """The fused weight from three ``nn.Linear`` weights ``W_q[(μ a) i]``, ``W_k[(g a) i]``,
-    ``W_v[(g a) i]`` (or the three biases).
+    ``W_v[(g b) i]`` (or the three biases).
 
     The result is ``W[(g C a) i]``: per key/value group g, its r query heads, then its key,
     then its value (C runs over r + 2 slots). Without grouping (``n_kv_heads`` None or equal
-    to ``n_heads``) r = 1 and this is ``W[(μ B a) i]``.
+    to ``n_heads``) r = 1 and this is ``W[(μ B a) i]``. Values of their own width b ≠ a
+    (``W_v`` with ``(g b)`` rows) make it ``W[(g e) i]``, each group's rows
+    ``e = (r a | a | b)``: the same order, the value block b wide.
     """
     g, r = groups(n_heads, n_kv_heads)
     _check_rows(W_q, "W_q", n_heads, "(μ a)")
-    for name, w in (("W_k", W_k), ("W_v", W_v)):
-        want = (W_q.shape[0] // r, *W_q.shape[1:])
-        if w.shape != want:
-            raise EinattnError(f"{name} has shape {tuple(w.shape)} but {name}[(g a) i] needs "
-                               f"{want} with g={g} groups of r={r} query heads")
-    queries = rearrange(W_q, "(g r a) ... -> g r a ...", g=g, r=r)
-    keys_values = rearrange([W_k, W_v], "B (g a) ... -> g B a ...", g=g)
-    return rearrange(torch.cat([queries, keys_values], dim=1), "g C a ... -> (g C a) ...")
+    want = (W_q.shape[0] // r, *W_q.shape[1:])
+    if W_k.shape != want:
+        raise EinattnError(f"W_k has shape {tuple(W_k.shape)} but W_k[(g a) i] needs "
+                           f"{want} with g={g} groups of r={r} query heads")
+    _check_rows(W_v, "W_v", g, "(g b)")
+    if W_v.shape[1:] != W_q.shape[1:]:
+        raise EinattnError(f"W_v has shape {tuple(W_v.shape)} but W_v[(g b) i] needs "
+                           f"{W_q.shape[1:]} after its rows, as W_q has")
+    blocks = [rearrange(t, "(g e) ... -> g e ...", g=g) for t in (W_q, W_k, W_v)]
+    return rearrange(torch.cat(blocks, dim=1), "g e ... -> (g e) ...")
 
 
-def split_qkv(W: torch.Tensor, *, n_heads: int,
-              n_kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`fuse_qkv`: ``W_q, W_k, W_v`` from ``W[(g C a) i]``."""
+def split_qkv(W: torch.Tensor, *, n_heads: int, n_kv_heads: int | None = None,
+              d_value: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`fuse_qkv`: ``W_q, W_k, W_v`` from ``W[(g C a) i]`` (from
+    ``W[(g e) i]`` with values ``d_value`` wide)."""
     g, r = groups(n_heads, n_kv_heads)
-    _check_rows(W, "W", g * (r + 2), "(μ B a)" if r == 1 else "(g C a)")
-    W4 = rearrange(W, "(g C a) ... -> g C a ...", g=g, C=r + 2)
-    W_q = rearrange(W4[:, :r], "g r a ... -> (g r a) ...")
-    W_k, W_v = (rearrange(W4[:, c], "g a ... -> (g a) ...") for c in (r, r + 1))
-    return W_q, W_k, W_v
+    if d_value is None:
+        _check_rows(W, "W", g * (r + 2), "(μ B a)" if r == 1 else "(g C a)")
+        a = b = W.shape[0] // (g * (r + 2))
+    else:
+        _check_rows(W, "W", g, "(g e)")
+        b, a = d_value, (W.shape[0] // g - d_value) // (r + 1)
+    W3 = rearrange(W, "(g e) ... -> g e ...", g=g)
+    W_q, W_k, W_v = W3.split([r * a, a, b], dim=1)
+    return tuple(rearrange(t, "g e ... -> (g e) ...") for t in (W_q, W_k, W_v))
 
 
 def W_O_from_linear(W_o: torch.Tensor, *, n_heads: int) -> torch.Tensor:
@@ -163,14 +173,18 @@ def fused_sizes(W_O) -> tuple[int, int, int]:
     return n_heads, a, i
 
 
-def check_fused(W, b, W_O, b_O, g: int, r: int) -> None:
+def check_fused(W, b, W_O, b_O, g: int, r: int, a: int | None = None) -> None:
     """Check ``W[(g C a) i]``, ``b[(g C a)]``, ``b_O[i]`` (either bias may be None) against
-    ``W_O[μ a i]``, with g groups of r query heads (``g = μ``, ``r = 1`` without grouping)."""
-    n_heads, a, i = W_O.shape
+    ``W_O[μ a i]``, with g groups of r query heads (``g = μ``, ``r = 1`` without grouping);
+    given ``a`` other than ``W_O``'s width b, ``W[(g e) i]`` with ``e = (r a | a | b)``."""
+    n_heads, b_width, i = W_O.shape
+    a = b_width if a is None else a
     grouping = f", g={g}, C=r+2={r + 2}" if r > 1 else ", B=3"
     sizes = f"μ={n_heads}, a={a}, i={i} from W_O{grouping}"
-    rows = g * (r + 2) * a
+    rows = g * ((r + 1) * a + b_width)
     layout = "[(μ B a) i]" if r == 1 else "[(g C a) i]"
+    if a != b_width:
+        sizes, layout = f"μ={n_heads}, b={b_width}, i={i} from W_O, a={a}, g={g}", "[(g e) i]"
     _check_shape(W, "W", layout, (rows, i), sizes)
     if b is not None:
         _check_shape(b, "b", layout.replace(" i]", "]"), (rows,), sizes)

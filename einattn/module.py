@@ -9,17 +9,19 @@ separate projections.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from . import _torch_mha, composition, layouts, rotary
+from . import _layer_weights, _torch_mha, composition, layouts, rotary
 from ._checks import check_factory, check_positive_int, refuse_is_causal
 from .cache import KVCache
+from .differential import Differential, check_heads
 from .errors import EinattnError
+from .qk_norm import QKNorm
 from .spec import Spec
+from .temperature import Temperature
 
 
 class Projections(NamedTuple):
@@ -33,6 +35,13 @@ class Projections(NamedTuple):
     b_k: torch.Tensor | None
     b_v: torch.Tensor | None
     b_o: torch.Tensor | None
+
+
+def _fixed(name: str) -> property:
+    """An option of the layer that its weights depend on, kept in its :attr:`spec`, read
+    only (a layer with another is made anew)."""
+    return property(lambda self: getattr(self._spec, name), doc=f"``{name}``, kept in "
+                    f":attr:`spec`; fixed with the weights it has.")
 
 
 def _option(name: str) -> property:
@@ -61,12 +70,22 @@ class MultiHeadAttention(nn.Module):
     ``batch_first=False`` takes and gives ``(L, n, d_model)``, as ``nn.MultiheadAttention``
     with ``batch_first=False`` does (masks, padding and weights keep einattn's indices).
 
+    The attention of today's models (docs/models.md): ``d_value`` (b) values wider or
+    narrower than the queries and keys (``W[(g e) i]``, ``e = (r a | a | b)``, and
+    ``W_O[μ b i]``); ``qk_norm`` (:class:`~einattn.qk_norm.QKNorm`: gains ``gamma_Q``,
+    ``gamma_K``); ``gate`` (an output gate, ``W_G[(μ b) i]``); ``differential``
+    (:class:`~einattn.differential.Differential`: ``lambda_q1`` … ``lambda_k2``);
+    ``temperature`` (:class:`~einattn.temperature.Temperature`); ``nn.MultiheadAttention``'s
+    ``bias_kv`` (``bias_k[(g a)]``, ``bias_v[(g b)]``) and ``zero_attn``; and
+    ``d_context=(j, k)``, keys and values from contexts of two widths.
+
     >>> layer = MultiHeadAttention(16, 4, causal=True)
     >>> layer(torch.randn(2, 5, 16)).shape
     torch.Size([2, 5, 16])
     """
 
     batch_first = True  # the default, for a layer pickled before the option existed
+    _extras = ()  # the options' weights, by name: none in a layer pickled before them
 
     def __init__(self, d_model: int, n_heads: int, *, d_head: int | None = None,
                  n_kv_heads: int | None = None, bias: bool = False, dropout: float = 0.0,
@@ -75,25 +94,33 @@ class MultiHeadAttention(nn.Module):
                  rope_scaling: dict | None = None, rotary_dim: int | None = None,
                  scale: float | None = None, window: int | None = None,
                  softcap: float | None = None, alibi: bool = False, sinks: bool = False,
-                 pattern=None, d_context: int | None = None, batch_first: bool = True,
-                 device=None, dtype=None):
+                 pattern=None, d_context: int | tuple[int, int] | None = None,
+                 batch_first: bool = True, d_value: int | None = None,
+                 qk_norm: QKNorm | None = None, gate: bool = False,
+                 differential: Differential | None = None,
+                 temperature: Temperature | None = None, bias_kv: bool = False,
+                 zero_attn: bool = False, device=None, dtype=None):
         super().__init__()
         d_head = _d_head(d_model, n_heads, d_head)
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_head
-        self.n_kv_heads, r = layouts.groups(n_heads, n_kv_heads)
-        rows = self.n_kv_heads * (r + 2) * d_head
+        self.n_kv_heads, _ = layouts.groups(n_heads, n_kv_heads)
+        self.d_value = d_head if d_value is None else check_positive_int("d_value", d_value)
         self.spec = Spec(impl, block_size, dropout, scale, causal, window, softcap, pattern,
-                         rope, rope_base, rope_scaling, rotary_dim)
+                         rope, rope_base, rope_scaling, rotary_dim, qk_norm, temperature,
+                         differential, gate, bias_kv, zero_attn)
+        if differential is not None:
+            check_heads(n_heads, self.n_kv_heads)
         if rope is not None or rope_scaling is not None or rotary_dim is not None:
             rotary.check_options(rope, rope_base, rope_scaling, rotary_dim, d_head)
         for name, flag in (("alibi", alibi), ("sinks", sinks), ("batch_first", batch_first)):
             if not isinstance(flag, bool):
                 raise EinattnError(f"{name} must be True or False, got {flag!r}")
+        if sinks and zero_attn:
+            raise EinattnError("zero_attn is a sink of logit 0 for every head, and sinks=True "
+                               "learns one: a pattern has one sink logit s[μ] per head")
         self.alibi, self.batch_first = alibi, batch_first
-        if d_context is not None:
-            check_positive_int("d_context", d_context)
-        self.d_context = d_context
-        self._make_parameters(rows, bias, sinks, check_factory(device, dtype))
+        self.d_context = _d_context(d_context)
+        _layer_weights.make(self, bias, sinks, check_factory(device, dtype))
         self.reset_parameters(init)
 
     @property
@@ -118,71 +145,45 @@ class MultiHeadAttention(nn.Module):
     rope_base = _option("rope_base")
     rope_scaling = _option("rope_scaling")
     rotary_dim = _option("rotary_dim")
+    qk_norm = _fixed("qk_norm")
+    gate = _fixed("gate")
+    differential = _fixed("differential")
+    temperature = _fixed("temperature")
+    bias_kv = _fixed("bias_kv")
+    zero_attn = _fixed("zero_attn")
 
     def _call_spec(self, impl: str | None) -> Spec:
         """The spec of one call: without dropout outside training, with the call's impl."""
         spec = self._spec if self.training else self._inference
         return spec if impl is None or impl == spec.impl else spec.replace(impl=impl)
 
-    def _make_parameters(self, rows: int, bias: bool, sinks: bool, kw: dict) -> None:
-        """``W[(μ B a) i]`` (or ``W[(g C a) i]``), ``W_O[μ a i]``, the biases, the sinks.
-        With a context of its own width ``j`` (``d_context``), ``W`` splits into
-        ``W_Q[(μ a) i]`` and ``W_KV[(g B a) j]`` (:mod:`einattn.cross`), and ``b`` into
-        ``b_Q``, ``b_KV``: no one weight can project two widths."""
-        μ, a, i = self.n_heads, self.d_head, self.d_model
-        kv = self.n_kv_heads * 2 * a
-        projections = {"W": (rows, i)} if self.d_context is None else \
-            {"W_Q": (μ * a, i), "W_KV": (kv, self.d_context)}
-        for name, shape in projections.items():
-            setattr(self, name, nn.Parameter(torch.empty(*shape, **kw)))
-        self.W_O = nn.Parameter(torch.empty(μ, a, i, **kw))
-        for name, (rows_of, _) in projections.items():  # b, or b_Q and b_KV
-            bias_name = "b" + name[1:]
-            setattr(self, bias_name, nn.Parameter(torch.empty(rows_of, **kw)) if bias else None)
-        self.b_O = nn.Parameter(torch.empty(i, **kw)) if bias else None
-        self.sinks = nn.Parameter(torch.empty(μ, **kw)) if sinks else None  # s[μ]
-        if self.d_context is not None:  # read as None, as a layer without them is
-            self.register_parameter("W", None)
-            self.register_parameter("b", None)
-
     def reset_parameters(self, init: str = "torch") -> None:
-        """``"torch"``: W xavier-uniform, W_O uniform(±1/√(μ·a)) as nn.Linear, biases 0
+        """``"torch"``: W xavier-uniform, W_O uniform(±1/√(μ·b)) as nn.Linear, biases 0
         (``nn.MultiheadAttention``'s scheme; ``W_Q`` and ``W_KV`` each xavier-uniform, as
         its separate projections are); ``"gpt2"``: weights N(0, 0.02²), biases 0. Sink
-        logits ``s[μ]`` start at 0 either way."""
-        weights = [self.W] if self.d_context is None else [self.W_Q, self.W_KV]
-        biases = [self.b, self.b_O, self.sinks] if self.d_context is None \
-            else [self.b_Q, self.b_KV, self.b_O, self.sinks]
-        with torch.no_grad():
-            if init == "torch":
-                for W in weights:
-                    nn.init.xavier_uniform_(W)
-                bound = 1.0 / math.sqrt(self.n_heads * self.d_head)
-                nn.init.uniform_(self.W_O, -bound, bound)
-            elif init == "gpt2":
-                for W in (*weights, self.W_O):
-                    nn.init.normal_(W, std=0.02)
-            else:
-                raise EinattnError(f"init must be 'torch' or 'gpt2', got {init!r}")
-            for bias in biases:
-                if bias is not None:
-                    bias.zero_()
+        logits ``s[μ]`` start at 0 either way; the options' weights as
+        :func:`einattn._layer_weights.reset` says."""
+        _layer_weights.reset(self, init)
 
     def extra_repr(self) -> str:
         grouped = f"n_kv_heads={self.n_kv_heads}, " if self.n_kv_heads != self.n_heads else ""
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, {grouped}d_head={self.d_head}, "
-                f"bias={self.b_O is not None}, dropout={self.dropout}, causal={self.causal}, "
-                f"impl={self.impl!r}" + (f", rope={self.rope!r}" if self.rope else "")
-                + "".join(f", {k}={getattr(self, k)!r}" for k in ("rope_scaling", "rotary_dim",
-                                                                   "scale", "window", "softcap",
-                                                                   "d_context")
-                          if getattr(self, k) is not None)
+        value = f", d_value={self.d_value}" if self.d_value != self.d_head else ""
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, {grouped}d_head={self.d_head}"
+                f"{value}, bias={self.b_O is not None}, dropout={self.dropout}, "
+                f"causal={self.causal}, impl={self.impl!r}"
+                + (f", rope={self.rope!r}" if self.rope else "")
+                + "".join(f", {k}={getattr(self, k)!r}" for k in (
+                    "rope_scaling", "rotary_dim", "scale", "window", "softcap", "d_context",
+                    "qk_norm", "differential", "temperature") if getattr(self, k) is not None)
                 + (", alibi=True" if self.alibi else "")
                 + (f", pattern={self.pattern!r}" if self.pattern else "")
                 + (", sinks=True" if self.sinks is not None else "")
+                + "".join(f", {k}=True" for k in ("gate", "bias_kv", "zero_attn")
+                          if getattr(self, k))
                 + ("" if self.batch_first else ", batch_first=False"))
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
+                value_context: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
                 causal: bool | None = None, need_weights: bool = False,
                 return_intermediates: bool = False, impl: str | None = None,
@@ -190,7 +191,9 @@ class MultiHeadAttention(nn.Module):
                 document_ids: torch.Tensor | None = None, pattern=None, is_causal=None):
         """``Y[n τ i]`` from ``x`` ``(n, L_q, d_model)`` and optional ``context``
         ``(n, L_k, d_model)`` (``(L_q, n, d_model)``, ``(L_k, n, d_model)`` and a
-        ``(L_q, n, d_model)`` output with ``batch_first=False``).
+        ``(L_q, n, d_model)`` output with ``batch_first=False``); a ``d_context=(j, k)`` layer
+        takes the keys' context ``(n, L_k, j)`` and the values' ``value_context``
+        ``(n, L_k, k)``, as ``nn.MultiheadAttention(query, key, value)`` does.
 
         ``mask``: bool (True = may attend) or float (added to the scores), shape (τ, σ),
         (n, τ, σ) or (n, μ, τ, σ). ``key_padding_mask``: bool ``(n, L_k)``, True = padding
@@ -198,8 +201,9 @@ class MultiHeadAttention(nn.Module):
         bottom-right. ``need_weights=True`` returns ``(Y, A)`` with the per-head weights
         ``A[n μ τ σ]`` as applied (after dropout). ``return_intermediates=True`` returns
         ``(Y, stages)``: a dict of every intermediate by its equation name
-        (Q, K, V, S, A, Z, Y_μ, Y). ``impl`` overrides the constructor's ("einsum",
-        "sdpa", "chunked" or "flex"); all four share the parameters and agree. ``positions``
+        (Q, K, V, S, A, Z, Y_μ, Y; and Z_D, N of differential attention, G, Z_g of the
+        gate). ``impl`` overrides the constructor's ("einsum", "sdpa", "chunked" or "flex");
+        all four share the parameters and agree. ``positions``
         (``(L,)`` or ``(n, L)`` integers) places the tokens for RoPE; by default they follow
         the tokens already in ``cache``. With ``cache`` (a :class:`~einattn.KVCache`),
         this call's keys and values are appended to it and attention runs over all of it:
@@ -217,11 +221,15 @@ class MultiHeadAttention(nn.Module):
         w = self._attention_weights()
         self._check_input("x", x, w["W"])
         if self.d_context is not None:
-            context = self._own_context(x, context)
-        if context is not None:
-            self._check_input("context", context, w["W"], self.d_context)
+            context = self._own_context(x, context, value_context)
+        for name, t, at in (("context", context, 0), ("value_context", value_context, 1)):
+            if t is not None:
+                self._check_input(name, t, w["W"], self._context_width(name, at))
         if not self.batch_first:  # (L, n, d): the equations read X[n τ i]
-            x, context = x.transpose(0, 1), None if context is None else context.transpose(0, 1)
+            x, context, value_context = (None if t is None else t.transpose(0, 1)
+                                         for t in (x, context, value_context))
+        if value_context is not None:
+            context = (context, value_context)
         out = composition.multi_head(x, w, spec, composition.Call(
             context, mask, key_padding_mask, spec.causal if causal is None else causal, pattern,
             positions, cache, document_ids, need_weights, return_intermediates))
@@ -242,13 +250,26 @@ class MultiHeadAttention(nn.Module):
             p[name] if name in p else getattr(self, name, None)
             for name in ("W" if fused else "W_Q", "b" if fused else "b_Q", "W_O", "b_O",
                          "sinks", "W_KV", "b_KV")]
-        return {"W": W, "W_O": W_O, "b": b, "b_O": b_O, "sinks": sinks, "alibi": self.alibi,
-                "W_KV": W_KV, "b_KV": b_KV, "n_heads": self.n_heads,
-                "n_kv_heads": self.n_kv_heads}
+        w = {"W": W, "W_O": W_O, "b": b, "b_O": b_O, "sinks": sinks, "alibi": self.alibi,
+             "W_KV": W_KV, "b_KV": b_KV, "n_heads": self.n_heads,
+             "n_kv_heads": self.n_kv_heads,
+             "d_value": self.d_value if self.d_value != self.d_head else None}
+        for name in self._extras:  # the weights of the spec's options
+            w[name] = p[name] if name in p else getattr(self, name)
+        if isinstance(self.d_context, tuple):  # keys and values from contexts of their own
+            w["W_KV"] = (self.W_K, self.W_V)
+            w["b_KV"] = None if self.b_K is None else (self.b_K, self.b_V)
+        return w
 
-    def _own_context(self, x: torch.Tensor, context):
+    def _own_context(self, x: torch.Tensor, context, value_context):
         """The context a ``d_context`` layer projects through ``W_KV``: ``x`` itself where
-        none is given and ``x`` has the context's width."""
+        none is given and ``x`` has the context's width; a ``d_context=(j, k)`` layer's two,
+        both given."""
+        if isinstance(self.d_context, tuple) and (context is None or value_context is None):
+            raise EinattnError(f"this layer reads its keys from C_K[n σ j] (j = "
+                               f"{self.d_context[0]}) through W_K[(g a) j] and its values from "
+                               f"C_V[n σ j] (j = {self.d_context[1]}) through W_V[(g b) j]: pass "
+                               f"context= and value_context=")
         if context is not None:
             return context
         if self.d_context != self.d_model:
@@ -257,14 +278,27 @@ class MultiHeadAttention(nn.Module):
                                f"W_KV[(g B a) j]: pass context=")
         return x
 
+    def _context_width(self, name: str, at: int) -> tuple:
+        """What the ``context`` (``at`` 0) or ``value_context`` (1) must be: ``(width name,
+        size, index, weight)``."""
+        pair = isinstance(self.d_context, tuple)
+        if at == 1 and not pair:
+            raise EinattnError("value_context is for a layer with d_context=(j, k), whose keys "
+                               "and values come from contexts of their own widths; pass the "
+                               "one context as context=")
+        if self.d_context is None:
+            return "d_model", self.d_model, "i", "W"
+        if not pair:
+            return "d_context", self.d_context, "j", "W_KV"
+        return f"d_context[{at}]", self.d_context[at], "j", ("W_K", "W_V")[at]
+
     def _check_input(self, name: str, t: torch.Tensor, W: torch.Tensor,
-                     d_context: int | None = None) -> None:
-        """``t`` is ``(n, L, d_model)``, or a ``d_context`` layer's context ``(n, L,
-        d_context)``, in the dtype and on the device of the layer's weights."""
+                     width: tuple | None = None) -> None:
+        """``t`` is ``(n, L, d_model)``, or a context of the ``width`` that
+        :meth:`_context_width` gives, in the dtype and on the device of the layer's weights."""
         if not isinstance(t, torch.Tensor):
             raise EinattnError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        width, size, index, weight = ("d_model", self.d_model, "i", "W") if d_context is None \
-            else ("d_context", d_context, "j", "W_KV")
+        width, size, index, weight = width or ("d_model", self.d_model, "i", "W")
         if t.ndim != 3 or t.shape[-1] != size:
             raise EinattnError(f"{name} has shape {tuple(t.shape)} but the layer expects "
                                f"({'n, L' if self.batch_first else 'L, n'}, {width}={size}) "
@@ -282,78 +316,40 @@ class MultiHeadAttention(nn.Module):
     def from_projections(cls, W_q, W_k, W_v, W_o, *, n_heads: int, n_kv_heads: int | None = None,
                          b_q=None, b_k=None, b_v=None, b_o=None,
                          **layer_options) -> MultiHeadAttention:
-        """A layer from ``nn.Linear``-layout weights ``W_q: ((μ a), i)``, ``W_k, W_v:
-        ((g a), j)`` and ``W_o: (i, (μ a))``, the form every reshape-based implementation
-        keeps. ``n_kv_heads`` defaults to what ``W_k``'s rows imply (``n_heads`` without
-        grouped-query attention); ``j`` (``W_k``'s columns) other than ``i`` makes a
-        ``d_context`` layer, whose keys and values come from a context of that width."""
-        check_positive_int("n_heads", n_heads)
-        if not isinstance(W_q, torch.Tensor) or W_q.ndim != 2:
-            shape = tuple(W_q.shape) if isinstance(W_q, torch.Tensor) else type(W_q).__name__
-            raise EinattnError(f"W_q must be a 2-D weight W_q[(μ a) i], got {shape}")
-        rows, d_model = W_q.shape
-        if rows % n_heads:
-            raise EinattnError(f"W_q has {rows} rows, not divisible by n_heads={n_heads}")
-        d_head = rows // n_heads
-        keys_2d = isinstance(W_k, torch.Tensor) and W_k.ndim == 2
-        if n_kv_heads is None and keys_2d:
-            n_kv_heads = max(1, W_k.shape[0] // d_head)
-        g, _ = layouts.groups(n_heads, n_kv_heads)
-        kv, j = g * d_head, W_k.shape[1] if keys_2d else d_model
-        expected = {"W_k": (W_k, "[(g a) j]", (kv, j)), "W_v": (W_v, "[(g a) j]", (kv, j)),
-                    "W_o": (W_o, "[i (μ a)]", (d_model, rows)),
-                    "b_q": (b_q, "[(μ a)]", (rows,)), "b_k": (b_k, "[(g a)]", (kv,)),
-                    "b_v": (b_v, "[(g a)]", (kv,)), "b_o": (b_o, "[i]", (d_model,))}
-        for name, (t, pattern, want) in expected.items():
-            if t is not None and tuple(t.shape) != want:
-                raise EinattnError(f"{name} has shape {tuple(t.shape)} but {name}{pattern} needs "
-                                   f"{want}: from W_q, i = d_model = {d_model} and "
-                                   f"(μ a) = {rows}; (g a) = {kv}; from W_k, j = {j}")
+        """A layer from ``nn.Linear``-layout weights ``W_q: ((μ a), i)``, ``W_k: ((g a), j)``,
+        ``W_v: ((g b), k)`` and ``W_o: (i, (μ b))``, the form every reshape-based
+        implementation keeps. ``n_kv_heads`` defaults to what ``W_k``'s rows imply
+        (``n_heads`` without grouped-query attention); ``b`` other than ``a`` (``W_v``'s rows)
+        makes a ``d_value`` layer; ``j`` (``W_k``'s columns) other than ``i`` makes a
+        ``d_context`` layer, whose keys and values come from a context of that width, and
+        ``k ≠ j`` one of ``d_context=(j, k)``, whose values come from a context of their own."""
+        s = _layer_weights.projection_sizes(W_q, W_k, W_v, n_heads, n_kv_heads)
+        _layer_weights.check_projections(s, {"W_k": W_k, "W_v": W_v, "W_o": W_o, "b_q": b_q,
+                                             "b_k": b_k, "b_v": b_v, "b_o": b_o})
         _check_fixed("from_projections", layer_options)
-        layer = cls(d_model, n_heads, d_head=d_head, n_kv_heads=g,
+        layer = cls(s["d_model"], n_heads, d_head=s["a"], n_kv_heads=s["g"],
+                    d_value=None if s["b"] == s["a"] else s["b"],
                     bias=any(v is not None for v in (b_q, b_k, b_v, b_o)),
-                    d_context=None if j == d_model else j, device=W_q.device,
-                    dtype=W_q.dtype, **layer_options)
-        layer._load(W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o)
+                    d_context=s["d_context"], device=W_q.device, dtype=W_q.dtype,
+                    **layer_options)
+        _layer_weights.load(layer, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o)
         return layer
-
-    def _load(self, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o) -> None:
-        """Copy ``nn.Linear``-layout weights in; a bias not given is zero where the layer
-        has biases."""
-        with torch.no_grad():
-            self._load_qkv(("W", "W_Q", "W_KV"), W_q, W_k, W_v)
-            self.W_O.copy_(layouts.W_O_from_linear(W_o, n_heads=self.n_heads))
-            if self.b_O is not None:
-                b_q, b_k, b_v = (w.new_zeros(w.shape[0]) if t is None else t
-                                 for t, w in ((b_q, W_q), (b_k, W_k), (b_v, W_v)))
-                self._load_qkv(("b", "b_Q", "b_KV"), b_q, b_k, b_v)
-                self.b_O.copy_(W_o.new_zeros(self.d_model) if b_o is None else b_o)
-
-    def _load_qkv(self, names: tuple[str, str, str], q, k, v) -> None:
-        """Query, key and value rows into ``W[(g C a) i]``, or into ``W_Q[(μ a) i]`` and
-        ``W_KV[(g B a) j]`` (or the biases named so)."""
-        fused, query, key_value = names
-        if self.d_context is None:
-            getattr(self, fused).copy_(layouts.fuse_qkv(q, k, v, n_heads=self.n_heads,
-                                                        n_kv_heads=self.n_kv_heads))
-            return
-        getattr(self, query).copy_(q)
-        g = self.n_kv_heads
-        getattr(self, key_value).copy_(
-            torch.stack([torch.unflatten(t, 0, (g, -1)) for t in (k, v)], 1).flatten(0, 2))
 
     @classmethod
     def from_fused(cls, W: torch.Tensor, W_O: torch.Tensor, b: torch.Tensor | None = None,
                    b_O: torch.Tensor | None = None, *, n_kv_heads: int | None = None,
-                   **layer_options) -> MultiHeadAttention:
+                   d_head: int | None = None, **layer_options) -> MultiHeadAttention:
         """A layer holding copies of einattn's own weights: ``W[(μ B a) i]`` (or
         ``W[(g C a) i]`` with ``n_kv_heads``), ``W_O[μ a i]`` and the biases ``b``, ``b_O``
         (None for no bias; one given alone makes the other zero); ``n_heads``, ``d_head`` and
-        ``d_model`` are read from ``W_O``."""
-        n_heads, d_head, d_model = layouts.fused_sizes(W_O)
+        ``d_model`` are read from ``W_O``. With ``d_head`` (a) other than ``W_O``'s width
+        (b), ``W`` is ``W[(g e) i]``, ``e = (r a | a | b)``: values ``d_value = b`` wide."""
+        n_heads, d_value, d_model = layouts.fused_sizes(W_O)
         _check_fixed("from_fused", layer_options)
-        layouts.check_fused(W, b, W_O, b_O, *layouts.groups(n_heads, n_kv_heads))
-        layer = cls(d_model, n_heads, d_head=d_head, n_kv_heads=n_kv_heads,
+        a = d_value if d_head is None else check_positive_int("d_head", d_head)
+        layouts.check_fused(W, b, W_O, b_O, *layouts.groups(n_heads, n_kv_heads), a)
+        layer = cls(d_model, n_heads, d_head=a, n_kv_heads=n_kv_heads,
+                    d_value=None if a == d_value else d_value,
                     bias=b is not None or b_O is not None, device=W_O.device, dtype=W_O.dtype,
                     **layer_options)
         with torch.no_grad():  # a bias not given stays as initialised: zero
@@ -364,30 +360,22 @@ class MultiHeadAttention(nn.Module):
 
     def projections(self) -> Projections:
         """The inverse of :meth:`from_projections`: detached copies, in ``nn.Linear`` layout."""
-        W_q, W_k, W_v = self._qkv("W", "W_Q", "W_KV")
+        W_q, W_k, W_v = _layer_weights.qkv(self, "W")
         W_o = layouts.W_O_to_linear(self.W_O.detach())
         b_q = b_k = b_v = b_o = None
         if self.b_O is not None:
-            b_q, b_k, b_v = self._qkv("b", "b_Q", "b_KV")
+            b_q, b_k, b_v = _layer_weights.qkv(self, "b")
             b_o = self.b_O.detach()
         return Projections(*(None if t is None else t.clone()
                              for t in (W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o)))
-
-    def _qkv(self, *names: str) -> tuple[torch.Tensor, ...]:
-        """The query, key and value rows (``nn.Linear`` layout) of ``W`` or of ``W_Q`` and
-        ``W_KV`` (or of the biases named so), detached."""
-        fused, query, key_value = (getattr(self, name, None) for name in names)
-        if self.d_context is None:
-            return layouts.split_qkv(fused.detach(), n_heads=self.n_heads,
-                                     n_kv_heads=self.n_kv_heads)
-        K, V = torch.unflatten(key_value.detach(), 0, (self.n_kv_heads, 2, -1)).unbind(1)
-        return query.detach(), K.flatten(0, 1), V.flatten(0, 1)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, **layer_options) -> MultiHeadAttention:
         """An equivalent layer from ``nn.MultiheadAttention``: its weights, bias or none, its
         dropout and its ``batch_first`` (``layer_options`` override them); ``kdim = vdim``
-        other than ``embed_dim`` makes a ``d_context`` layer."""
+        other than ``embed_dim`` makes a ``d_context`` layer, ``kdim ≠ vdim`` one of
+        ``d_context=(kdim, vdim)``; ``add_bias_kv`` and ``add_zero_attn`` make ``bias_kv``
+        (torch's ``bias_k``, ``bias_v`` copied) and ``zero_attn``."""
         return _torch_mha.from_torch(cls, mha, layer_options)
 
     def to_torch(self) -> nn.MultiheadAttention:
@@ -414,11 +402,21 @@ def _sequence_first(out):
 
 
 def _check_fixed(method: str, layer_options: dict) -> None:
-    fixed = {"d_model", "n_heads", "d_head", "bias", "device", "dtype",
-             "d_context"} & set(layer_options)
+    fixed = {"d_model", "n_heads", "d_head", "bias", "device", "dtype", "d_context",
+             "d_value"} & set(layer_options)
     if fixed:
         raise EinattnError(f"{method} takes {', '.join(sorted(fixed))} from the weights; pass "
                            f".to(...) on the result to change dtype or device")
+
+
+def _d_context(d_context):
+    """``d_context``: None, a width ``j``, or the widths ``(j, k)`` of the keys' and the
+    values' contexts."""
+    if isinstance(d_context, tuple) and len(d_context) == 2:
+        for width in d_context:
+            check_positive_int("d_context", width)
+        return d_context
+    return None if d_context is None else check_positive_int("d_context", d_context)
 
 
 def _d_head(d_model: int, n_heads: int, d_head: int | None) -> int:

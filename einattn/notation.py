@@ -24,7 +24,7 @@ from ._contraction import _MAX_PLANS as _MAX_PLANS  # the plan cache's size, for
 from ._contraction import Contraction, Explanation, opened, signature
 from ._expression_run import ExpressionRun
 from ._grad import derived
-from ._latex_expression import read_expression, written_as_expression
+from ._latex_expression import names_a_function, read_expression, written_as_expression
 from ._syntax import is_expression
 from .errors import EinattnError
 from .latex import read
@@ -55,7 +55,8 @@ class Equation(Contraction):
         An equation that is more than one product (``\\operatorname{softmax}_{\\sigma}``,
         ``\\exp``, ``+``, ``\\frac{…}{…}``) is read by :mod:`einattn._latex_expression`."""
         try:
-            return Equation(read(tex, size_names, labels))
+            if not names_a_function(tex):  # else the product reader reads a tensor's name
+                return Equation(read(tex, size_names, labels))
         except EinattnError:
             if not written_as_expression(tex):  # a product with a mistake: its own message
                 raise

@@ -50,8 +50,8 @@ from .notation import Equation
 
 __all__ = ["SINK", "SINK_LATEX", "ALiBi", "Causal", "ChunkedLocal", "Documents", "Grid",
            "Mask", "MaskMod", "MaskPiece", "Pattern", "PrefixLM", "ScoreMod", "ScorePiece",
-           "Sinks", "Softcap", "Window", "alibi_slopes", "bind", "build", "check_softcap",
-           "check_window", "grid", "pieces_of"]
+           "Sinks", "Softcap", "Window", "ZeroSink", "alibi_slopes", "bind", "build",
+           "check_softcap", "check_window", "grid", "pieces_of"]
 
 # -- pieces of the mask M: a predicate over (n, μ, τ, σ) --------------------------------------
 
@@ -348,6 +348,21 @@ class Sinks:
     def bound(self, frame: Frame, dtype: torch.dtype) -> Sinks:
         return Sinks(check_per_head(self.s, "sinks", "a float tensor of sink logits s[μ]",
                                     frame.n_heads, frame.device))
+
+
+@dataclass(frozen=True)
+class ZeroSink:
+    """A key and a value of zeros for every query (``nn.MultiheadAttention``'s
+    ``add_zero_attn``): its score ``Q · 0`` is 0 whatever the query, so it is a sink of logit
+    ``s_μ = 0`` in every head, learned by nothing."""
+
+    KIND = "sink"
+
+    def latex(self) -> str:
+        return SINK_LATEX + r", \quad s_{\mu} = 0"
+
+    def bound(self, frame: Frame, dtype: torch.dtype) -> Sinks:
+        return Sinks(torch.zeros(frame.n_heads, dtype=dtype, device=frame.device))
 
 
 # -- the keyword shorthands, and what pattern= takes ---------------------------------------------

@@ -37,8 +37,8 @@ def multi_head_attention(x, W_q, W_k, W_v, W_o, *, n_heads, context=None, mask=N
     L_k = context.shape[1]
     d_head = W_q.shape[0] // n_heads
 
-    def split(t, L):  # (n, L, heads*d_head) -> (n, heads, L, d_head)
-        return t.view(n, L, n_heads, d_head).transpose(1, 2)
+    def split(t, L):  # (n, L, heads*width) -> (n, heads, L, width): d_head, or V's own
+        return t.view(n, L, n_heads, -1).transpose(1, 2)
 
     q = split(F.linear(x, W_q, b_q), L_q)
     k = split(F.linear(context, W_k, b_k), L_k)
@@ -58,7 +58,7 @@ def multi_head_attention(x, W_q, W_k, W_v, W_o, *, n_heads, context=None, mask=N
     scores = scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     weights = torch.where(allowed.any(dim=-1, keepdim=True), weights, torch.zeros_like(weights))
-    out = (weights @ v).transpose(1, 2).reshape(n, L_q, n_heads * d_head)
+    out = (weights @ v).transpose(1, 2).reshape(n, L_q, -1)
     y = F.linear(out, W_o, b_o)
     return (y, weights) if return_weights else y
 

@@ -128,9 +128,10 @@ class StaticKVCache:
         n, L = K.shape[0], K.shape[2]
         self.check_call(L, document_ids=document_ids)
         if self.K is None:
-            self._make(K)
+            self._make(K, V.shape[3])
         elif self.K.shape[:2] != K.shape[:2] or self.K.shape[3] != K.shape[3] \
-                or self.K.dtype != K.dtype or self.K.device != K.device:
+                or self.V.shape[3] != V.shape[3] or self.K.dtype != K.dtype \
+                or self.K.device != K.device:
             raise EinattnError(f"the new keys are {tuple(K.shape)} {K.dtype} on {K.device} but "
                                f"the cache holds K[n g σ a] of {tuple(self.K.shape)} "
                                f"{self.K.dtype} on {self.K.device}: make another StaticKVCache")
@@ -145,10 +146,10 @@ class StaticKVCache:
         self.filled.add_(L)
         return self.K, self.V, self.padding
 
-    def _make(self, K: torch.Tensor) -> None:
+    def _make(self, K: torch.Tensor, b: int) -> None:
         n, g, _, a = K.shape
         self.K = K.new_zeros(n, g, self.max_length, a)
-        self.V = K.new_zeros(n, g, self.max_length, a)
+        self.V = K.new_zeros(n, g, self.max_length, b)  # values b wide (d_value)
         self.padding = torch.ones(n, self.max_length, dtype=torch.bool, device=K.device)
         self.filled = torch.zeros((), dtype=torch.long, device=K.device)
 

@@ -126,6 +126,21 @@ def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float64,
     return t.to(dtype=dtype, device=torch.get_default_device()).requires_grad_(requires_grad)
 
 
+def refilled(module: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:
+    """``module`` with its k-th parameter redrawn as ``randn(seed=seed + k) · scale``."""
+    with torch.no_grad():
+        for k, p in enumerate(module.parameters()):
+            p.copy_(randn(*p.shape, seed=seed + k) * scale)
+    return module
+
+
+def left_padded(n: int, length: int, pads: int) -> torch.Tensor:
+    """Key padding ``(n, length)``, True = padding: sample 1 starts with ``pads`` pads."""
+    kpm = torch.zeros(n, length, dtype=torch.bool)
+    kpm[1, :pads] = True
+    return kpm
+
+
 def projections(d_model: int, n_heads: int, d_head: int, *, bias: bool, seed: int,
                 dtype: torch.dtype = torch.float64, requires_grad: bool = False) -> dict:
     """Reshape-layout weights ``W_q, W_k, W_v: ((μ a), i)``, ``W_o: (i, (μ a))`` and,

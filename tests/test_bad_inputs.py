@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FLEX_CPU, here, on_cpu_only
-from torch import nn
 
 import einattn
 from einattn import EinattnError, MultiHeadAttention
@@ -194,15 +193,6 @@ BAD = {
     "key_padding_mask-list": (_cross(key_padding_mask=[[False] * L_K] * N),
                               r"key_padding_mask has shape list but must be \(n, σ\) = \(2, 7\)"),
     # -- conversions -------------------------------------------------------------------------
-    "from_torch-kdim-vdim": (lambda: MultiHeadAttention.from_torch(
-        nn.MultiheadAttention(D, H, kdim=20, vdim=12)),
-        r"from_torch needs kdim = vdim \(one context C\[n σ j\] gives the keys and the "
-        r"values\), got kdim=20, vdim=12"),
-    "from_torch-vdim": (lambda: MultiHeadAttention.from_torch(nn.MultiheadAttention(D, H, vdim=12)),
-                        rf"from_torch needs kdim = vdim .*got kdim={D}, vdim=12"),
-    "from_torch-bias-kv": (lambda: MultiHeadAttention.from_torch(
-        nn.MultiheadAttention(D, H, add_bias_kv=True)),
-        r"from_torch needs no add_bias_kv or add_zero_attn"),
     "d_context-not-int": (lambda: _layer(d_context=2.5),
                           r"d_context must be a positive int, got 2.5"),
     "d_context-no-context": (lambda: _layer(d_context=7)(_x()),
@@ -212,10 +202,6 @@ BAD = {
     "d_context-wrong-width": (lambda: _layer(d_context=7)(_x(), torch.ones(2, 3, 8, dtype=F64)),
                               r"context has shape \(2, 3, 8\) but the layer expects "
                               r"\(n, L, d_context=7\) \(index 'j' has size 7 in W_KV\)"),
-    "from_torch-add_bias_kv": (lambda: MultiHeadAttention.from_torch(
-        nn.MultiheadAttention(D, H, add_bias_kv=True)), r"no add_bias_kv or add_zero_attn"),
-    "from_torch-add_zero_attn": (lambda: MultiHeadAttention.from_torch(
-        nn.MultiheadAttention(D, H, add_zero_attn=True)), r"no add_bias_kv or add_zero_attn"),
     "to_torch-d_head": (_to_torch_with_d_head_7,
                         r"nn\.MultiheadAttention needs n_heads·d_head = d_model, but 5·7 != 30"),
     "from_projections-rows": (_projections(W_q=torch.ones(29, D), n_heads=5),
@@ -226,16 +212,16 @@ BAD = {
                                        r"n_heads must be a positive int, got 2\.5"),
     "from_projections-W_q-1d": (_projections(W_q=torch.ones(30)),
                                 r"W_q must be a 2-D weight W_q\[\(μ a\) i\], got \(30,\)"),
-    "from_projections-W_k": (_projections(W_k=torch.ones(30, 31)),
-                             r"W_v has shape \(30, 30\) but W_v\[\(g a\) j\] needs \(30, 31\)"
+    "from_projections-W_k": (_projections(W_k=torch.ones(30, 31), W_v=torch.ones(31, 30)),
+                             r"W_v has shape \(31, 30\) but W_v\[\(g b\) j\] needs \(30, 30\)"
                              r".*from W_k, j = 31"),
     "from_projections-W_o-transposed": (
         _projections(W_q=torch.ones(35, D), W_k=torch.ones(35, D), W_v=torch.ones(35, D),
                      W_o=torch.ones(35, D)),
-        r"W_o has shape \(35, 30\) but W_o\[i \(μ a\)\] needs \(30, 35\): from W_q, i = "
+        r"W_o has shape \(35, 30\) but W_o\[i \(μ b\)\] needs \(30, 35\): from W_q, i = "
         r"d_model = 30 and \(μ a\) = 35"),
     "from_projections-W_o-broadcastable": (_projections(W_o=torch.ones(1, 30)),
-                                           r"W_o has shape \(1, 30\) but W_o\[i \(μ a\)\] needs "
+                                           r"W_o has shape \(1, 30\) but W_o\[i \(μ b\)\] needs "
                                            r"\(30, 30\)"),
     "from_projections-b_q": (_projections(b_q=torch.ones(25)),
                              r"b_q has shape \(25,\) but b_q\[\(μ a\)\] needs \(30,\)"),
@@ -295,6 +281,27 @@ BAD = {
     "to_torch-causal": (lambda: MultiHeadAttention(30, 5, causal=True).to_torch(),
                         r"nn.MultiheadAttention keeps no causal flag, but this layer has "
                         r"causal=True"),
+    # -- the options of today's models (docs/models.md) -------------------------------------
+    "d_value-zero": (lambda: _layer(d_value=0), r"d_value must be a positive int, got 0"),
+    "d_context-pair-zero": (lambda: _layer(d_context=(7, 0)),
+                            r"d_context must be a positive int, got 0"),
+    "zero_attn-and-sinks": (lambda: _layer(sinks=True, zero_attn=True),
+                            r"zero_attn is a sink of logit 0 for every head, and sinks=True "
+                            r"learns one"),
+    "qk_norm-not-a-QKNorm": (lambda: _layer(qk_norm="rms"),
+                             r"qk_norm must be None or an einattn.qk_norm.QKNorm, got str"),
+    "differential-odd-heads": (lambda: _layer(differential=einattn.differential.Differential(0.2)),
+                               r"n_heads=5 and n_kv_heads=5 must both be even"),
+    "value_context-one-context": (lambda: _layer()(_x(), _x(N, L_K, D), _x(N, L_K, D)),
+                                  r"value_context is for a layer with d_context=\(j, k\)"),
+    "d_context-pair-one-context": (
+        lambda: _layer(d_context=(7, 9))(_x(), _c(N, L_K, 7)),
+        r"reads its keys from C_K\[n σ j\] \(j = 7\) through W_K\[\(g a\) j\] and its "
+        r"values from C_V\[n σ j\] \(j = 9\) .*: pass context= and value_context="),
+    "d_context-pair-value-width": (
+        lambda: _layer(d_context=(7, 9))(_x(), _c(N, L_K, 7), _c(N, L_K, 7)),
+        r"value_context has shape \(2, 7, 7\) but the layer expects \(n, L, "
+        r"d_context\[1\]=9\) \(index 'j' has size 9 in W_V\)"),
     "block_size-0": (lambda: _layer(block_size=0),
                      r"block_size \(the number of queries τ and of keys σ per tile\) must be a "
                      r"positive int, got 0"),

@@ -176,7 +176,7 @@ def test_bad_cache_use_raises(call, message):
                                                r"got \(2, 3, 4\)"),
     (torch.ones(2, 3, 4, 5), [[1.0]], r"the new V\[n g σ a\] must be a 4-D tensor, got list"),
     (torch.ones(2, 3, 4, 5), torch.ones(2, 3, 6, 5), r"every new key K\[n g σ a\] needs its "
-                                                     r"value V\[n g σ a\]: K is \(2, 3, 4, 5\) "
+                                                     r"value V\[n g σ b\]: K is \(2, 3, 4, 5\) "
                                                      rf"torch.float32 on {here()} but V is "
                                                      r"\(2, 3, 6, 5\)"),
     (torch.ones(2, 3, 4, 5), torch.ones(2, 3, 4, 5, dtype=F64), r"but V is \(2, 3, 4, 5\) "

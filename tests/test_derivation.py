@@ -15,6 +15,7 @@ from einattn import (
     derivation,
     field_steps,
     gradient_steps,
+    model_steps,
     pattern_steps,
     ring_steps,
 )
@@ -77,6 +78,17 @@ STEP_TOPICS = [
     "chunked dQ_t = dQ_t derived by Equation.grad ((2g))",
     "chunked dK_b = dK_b derived by Equation.grad ((2g))",
     "chunked dS = P ∘ (dP − D) = dS derived by Equation.grad through (3) and (4g)",
+    "MLA absorption: scores Q_A·(C_KV W_UK) = (Q_A W_UK)·C_KV",
+    "MLA absorption: output ((A (C_KV W_UV)) W_O) = (((A C_KV) W_UV) W_O)",
+    "(1b) W[(g e) i], e = (r a | a | b) = each group's rows by hand",
+    "(1k), (1v): keys and values from contexts of their own = two linears",
+    "qk-norm over the heads = OLMo 2's norm of the flat projection",
+    "qk-norm without a gain commutes with RoPE (Llama 4's after = before)",
+    "gate rows (μ B a) = Qwen3-Next's view(n, L, μ, 2a).chunk(2)",
+    "(D4) (A_1 − λ A_2) V = Z_1 − λ Z_2",
+    "differential heads (δ q r), value pairs (e q) = DiffLlama's halves",
+    "(T3) β[n τ] Q, then the scores = the scores, then β[n τ] on their rows",
+    "add_bias_kv: the slot, seen by every query = torch's (causal attn_mask)",
 ]
 MUTATION_TOPICS = ["K and V swapped in W_KV", "swapped indices", "missing 1/√a scale",
                    "wrong group order",
@@ -88,7 +100,11 @@ MUTATION_TOPICS = ["K and V swapped in W_KV", "swapped indices", "missing 1/√a
                    "reverse head order", "documents without their ids",
                    "query heads read (r g)", "without its 1/√a", "no row sum",
                    "sum over queries τ", "D outside the product", "O not rescaled",
-                   "two weights swapped"]
+                   "two weights swapped", "W_UK read as [μ c a]", "value block read before",
+                   "keys projected from the values' context", "taken per head",
+                   "with a gain γ[a] after RoPE", "last μ·a rows", "λ on the first softmax",
+                   "paired with their neighbours", "β at the key's position",
+                   "hidden by torch's is_causal=True"]
 
 
 def named(registry: list[Step], name: str) -> Step:
@@ -198,6 +214,7 @@ def test_steps_use_the_sizes_they_are_given(label):
     patterns = derivation.pattern_steps(sizes) + derivation.pattern_mutations(sizes)
     backward = gradient_steps.steps(sizes) + gradient_steps.mutations(sizes)
     field = field_steps.steps(sizes) + field_steps.mutations(sizes)
+    models = model_steps.steps(sizes) + model_steps.mutations(sizes)
     three_four = "(3)→(4): softmax_σ(S + M) V = Σ_σ e^S e^M V / Σ_σ e^S e^M, e^M a 0/1 multiplier"
     on_the_ring = {"ring attention, zigzag chunks pair by pair, causal = causal attention",
                    "zigzag chunks ordered by rank, not by position"}
@@ -212,6 +229,8 @@ def test_steps_use_the_sizes_they_are_given(label):
         elif step.name in {b.name for b in backward}:
             assert step.sizes == gradient_steps.gradient_sizes(sizes), step.name
             assert len(set(step.sizes.values())) == 6, step.name
+        elif step.name in {m.name for m in models}:
+            assert step.sizes in model_steps.sizes_of(sizes).values(), step.name
         elif step.name in {v.name for v in variations}:
             assert all(step.sizes[k] == sizes[k] for k in "nτ"), step.name
         elif step.name in {p.name for p in patterns}:
@@ -219,6 +238,23 @@ def test_steps_use_the_sizes_they_are_given(label):
             assert step.sizes["τ"] == sizes["τ"] - (sizes["σ"] == sizes["τ"]), step.name
         else:
             assert step.sizes in (sizes, {**sizes, "σ": sizes["τ"]}), step.name
+
+
+@pytest.mark.parametrize("label", [*SIZES, "one query"])
+def test_the_model_steps_sizes_are_distinct(label):
+    """Each family of today's models' steps has sizes all distinct, but for the three that
+    meet on purpose: a = c where W_UK is read as [μ c a], i = μ·a for torch's heads, σ = τ
+    where β[n σ] is read for β[n τ]."""
+    s = default_sizes(n=1, L=1, d_model=6, n_heads=3) if label == "one query" else SIZES[label]
+    families = model_steps.sizes_of(s)
+    square, slot, tempered = families["square"], families["slot"], families["tempered"]
+    assert square["a"] == square["c"] and slot["i"] == slot["μ"] * slot["a"]
+    assert tempered["σ"] == tempered["τ"]
+    for name, index in [("square", "c"), ("slot", "i"), ("tempered", "σ")]:
+        families[name] = {k: v for k, v in families[name].items() if k != index}
+    for name, z in families.items():
+        assert len(set(z.values())) == len(z), (name, z)
+    assert families["latent"]["τ"] == s["τ"]
 
 
 @pytest.mark.parametrize("s, pattern, packed", [

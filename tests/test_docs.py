@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from einattn import Equation, patterns
+from einattn import Equation, differential, patterns, qk_norm
 from einattn import functional as F
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -45,8 +45,25 @@ VARIATIONS = [
     ("L2", "linear", "NORMALISER", "normaliser"),
     ("C1", "circuits", "QK_CIRCUIT", "qk_circuit"),
     ("C2", "circuits", "OV_CIRCUIT", "ov_circuit"),
+    # today's models (docs/models.md); a constant None: torch code, its LaTeX in TORCH_CODE
+    ("1b", "equations", "PROJECT_WIDE", "project_qkv"),
+    ("1k", "cross", "PROJECT_K", "project"),
+    ("1v", "cross", "PROJECT_V", "project"),
+    ("QK1", "qk_norm", None, "normalised"),
+    ("QK2", "qk_norm", None, "normalised"),
+    ("G1", "gate", "GATE", "gate_logits"),
+    ("G2", "gate", "GATED", "gated"),
+    ("D1", "differential", "LAMBDA", "weight"),
+    ("D4", "differential", "DIFFERENCE", "combined"),
+    ("D5", "differential", None, "combined"),
+    ("T2", "temperature", "FACTOR", "factor"),
+    ("T3", "temperature", "SCALED", "scaled"),
 ]
 SHOWN = [(tag, "functional", c, f) for tag, c, f in STAGES] + VARIATIONS
+
+# The tagged displays of stages that run as torch code (the norms): tag -> LaTeX.
+TORCH_CODE = {"QK1": qk_norm.LATEX["head"], "QK2": qk_norm.LATEX["heads"],
+              "D5": differential.NORM_LATEX}
 
 # The only display equations allowed without an Equation behind them: name -> (tag, LaTeX).
 HAND_WRITTEN = {
@@ -83,7 +100,10 @@ def text_of(constant: str, module: str = "functional") -> str:
     return value.text if isinstance(value, Equation) else value
 
 
-def latex_of(module: str, constant: str) -> str:
+def latex_of(module: str, constant: str | None, tag: str = "") -> str:
+    """The LaTeX of ``einattn.{module}.{constant}`` (of ``tag``'s torch code if None)."""
+    if constant is None:
+        return TORCH_CODE[tag]
     return getattr(importlib.import_module(f"einattn.{module}"), constant).latex()
 
 
@@ -100,7 +120,7 @@ def displays(doc: str) -> list[tuple[int, int, str, str | None]]:
 
 def equation_problems(doc: str) -> list[str]:
     """Every way the display equations of ``doc`` disagree with einattn.functional."""
-    expected = {latex_of(m, c): tag for tag, m, c, _ in SHOWN}
+    expected = {latex_of(m, c, tag): tag for tag, m, c, _ in SHOWN}
     expected |= {latex: tag for tag, latex in HAND_WRITTEN.values()}
     expected |= dict.fromkeys(PATTERN_LATEX)  # untagged: terms of (3), not stages
     found = displays(doc)
@@ -122,7 +142,8 @@ def equation_problems(doc: str) -> list[str]:
         _, module, constant, function = stage
         section = doc[end: tagged[k + 1][0] if k + 1 < len(tagged) else len(doc)]
         block = FENCE.search(section)  # the first code block after the equation
-        if block is None or block.group(2).strip() != text_of(constant, module):
+        if constant is not None and (block is None
+                                     or block.group(2).strip() != text_of(constant, module)):
             problems.append(f"({tag}) is not followed by a code block holding {constant}: "
                             f"{text_of(constant, module)}")
         if f"einattn.{module}.{function}(" not in section:
@@ -161,6 +182,11 @@ MUTATIONS = [  # (old, new): each edit of the doc must be reported
     ("+ M[n μ τ σ])\n```", ")\n```"),  # the code block of (3)
     (r"\operatorname{softmax}_{\sigma}\left(S_{n \mu \tau \sigma} + M",
      r"\operatorname{softmax}_{\tau}\left(S_{n \mu \tau \sigma} + M"),  # its LaTeX
+    (r"W_{(g e) i} \tag{1b}", r"W_{(e g) i} \tag{1b}"),  # today's models' equations
+    (r"\frac{1}{d_{\mu} d_a}", r"\frac{1}{d_a}"),  # (QK2) normalising per head
+    ("Z_D[n (q r) τ c] = Z_1[n (q r) τ c] − λ · Z_2[n (q r) τ c]\n```",
+     "Z_D[n (q r) τ c] = λ · Z_1[n (q r) τ c] − Z_2[n (q r) τ c]\n```"),
+    ("`einattn.temperature.scaled(Q, t, temperature)`", "`scaled(Q, t, temperature)`"),
 ]
 
 
@@ -180,9 +206,9 @@ def test_an_edited_equation_in_the_code_is_caught(monkeypatch):
 @pytest.mark.parametrize("tag, module, constant, function", SHOWN)
 def test_stage_docstring_quotes_its_equation(tag, module, constant, function):
     doc = inspect.getdoc(getattr(importlib.import_module(f"einattn.{module}"), function))
-    number = tag.rstrip("abc")  # (5a) splits (5): its function names (5)
+    number = tag.rstrip("abc")  # (5a) splits (5), (1b) widens (1): its function names (1)
     assert f"({number})" in doc
-    assert text_of(constant, module) in doc
+    assert constant is None or text_of(constant, module) in doc
 
 
 def test_every_rotation_equation_is_shown():

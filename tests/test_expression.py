@@ -330,6 +330,8 @@ LATEX = [
      r"L_{n \tau} = \operatorname{logsumexp}_{\sigma}\left(S_{n \tau \sigma}\right)"),
     ("C[τ σ] = c · tanh(S[τ σ] / c)",
      r"C_{\tau \sigma} = c \tanh\left(\frac{S_{\tau \sigma}}{c}\right)"),
+    ("Z_g[τ a] = Z[τ a] · sigmoid(G[τ a])",
+     r"(Z_{g})_{\tau a} = Z_{\tau a} \operatorname{sigmoid}\left(G_{\tau a}\right)"),
     ("m[τ] = max(x[τ], max_σ(S[τ σ]))",
      r"m_{\tau} = \max\left(x_{\tau}, \max_{\sigma}\left(S_{\tau \sigma}\right)\right)"),
     ("T[τ] = sum_σ(exp(S[τ σ] − m[τ]))",
@@ -368,6 +370,19 @@ def test_explain_says_what_runs():
     assert [s.kind for s in ex.stages] == ["contraction", "softmax", "contraction"]
     assert ex.plans[0].einsum == "ba,ca->bc" and ex.plans[1] is None
     assert "FLOPs" in str(ex)
+
+
+def test_sigmoid_is_one_over_one_plus_exp_minus_x_and_its_gradient_s_times_one_minus_s():
+    """Qwen3-Next's gate: sigmoid runs entry by entry (a number too, without overflow), its
+    derived gradient is autograd's, and verify compares it in float64, saying why."""
+    from einattn.verify import check_equivalent, check_gradient
+    G, Z = randn(τ, a, seed=7) * 30, randn(τ, a, seed=8)
+    gate = Equation("Z_g[τ a] = Z[τ a] · sigmoid(G[τ a])")
+    close(gate(Z=Z, G=G), Z * torch.sigmoid(G))
+    close(Equation("O[τ] = v[τ] · sigmoid(c)")(v=Z[:, 0], c=-800.0), Z[:, 0] * 0.0)
+    report = check_gradient(gate, "auto", wrt="G", sizes={"τ": τ, "a": a}, exact=True)
+    assert report.equal and report.note == "float64: sigmoid has no finite-field form"
+    assert not check_equivalent(gate, "Z_g[τ a] = Z[τ a] · exp(G[τ a])", {"τ": τ, "a": a}).equal
 
 
 def test_verify_compares_tanh_in_float64_and_the_softmax_in_the_field():

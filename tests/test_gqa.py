@@ -210,7 +210,7 @@ ERRORS = {
     "from_projections W_v rows for g": (
         lambda: MultiHeadAttention.from_projections(W_q, W_kv[:2 * A], W_kv[:3 * A], W_o,
                                                     n_heads=H, n_kv_heads=2),
-        r"W_v has shape \(15, 24\) but W_v\[\(g a\) j\] needs \(10, 24\)"),
+        r"W_v has shape \(15, 24\) but W_v\[\(g b\) j\] needs \(10, 24\)"),
     "n_kv_heads zero": (lambda: MultiHeadAttention(D, H, d_head=A, n_kv_heads=0),
                         r"n_kv_heads \(the size of index 'g'\) must be a positive int, got 0"),
 }

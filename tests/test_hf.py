@@ -205,8 +205,6 @@ REFUSALS = [  # (id, module builder, what the message must say)
     ("unknown-class", lambda: _attention("phi")[0], r"knows GPT2Attention.*PhiAttention"),
     ("subclass", lambda: _OwnLlamaAttention(_attention("llama")[0].config, 0),
      r"knows .*_OwnLlamaAttention \(model_type 'llama'\) from \S*test_hf"),
-    ("qwen3-q-norm", lambda: _attention("qwen3")[0],
-     r"Qwen3Attention \(model_type 'qwen3'\) normalises .*\(q_norm\)"),
     ("stablelm-qk-layernorm", lambda: _attention(
         "stablelm", num_attention_heads=3, num_key_value_heads=1, qk_layernorm=True)[0],
      r"StableLmAttention .*\(q_layernorm\)"),

@@ -47,6 +47,25 @@ def test_fuse_and_split_are_inverses(tail):
     assert torch.equal(layouts.fuse_qkv(*layouts.split_qkv(W_any, n_heads=MU), n_heads=MU), W_any)
 
 
+@pytest.mark.parametrize("g", [MU, 1], ids=["heads", "one group"])
+def test_values_of_their_own_width_fuse_per_group_and_split_back(g):
+    """W[(g e) i], e = (r a | a | b): each group's query rows, its key rows, then its b
+    value rows (b = 4 ≠ a = 5)."""
+    r, b = MU // g, 4
+    W_q, W_k, W_v = distinct(MU * A, D), distinct(g * A, D) + 1000, distinct(g * b, D) + 2000
+    W = layouts.fuse_qkv(W_q, W_k, W_v, n_heads=MU, n_kv_heads=g)
+    e = (r + 1) * A + b
+    assert W.shape == (g * e, D)
+    for group in range(g):
+        rows = W[group * e:(group + 1) * e]
+        assert torch.equal(rows[:r * A], W_q[group * r * A:(group + 1) * r * A])
+        assert torch.equal(rows[r * A:(r + 1) * A], W_k[group * A:(group + 1) * A])
+        assert torch.equal(rows[(r + 1) * A:], W_v[group * b:(group + 1) * b])
+    back = layouts.split_qkv(W, n_heads=MU, n_kv_heads=g, d_value=b)
+    for got, want in zip(back, (W_q, W_k, W_v), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_W_O_from_linear_indexes_as_W_O_mu_a_i():
     W_o = distinct(D, MU * A)  # nn.Linear weight (out=i, in=(μ a))
     W_O = layouts.W_O_from_linear(W_o, n_heads=MU)
@@ -98,9 +117,14 @@ ERRORS = {
                                               torch.ones(15, D), n_heads=MU),
                      r"W_k has shape \(15, 7, 1\) but W_k\[\(g a\) i\] needs \(15, 7\) "
                      r"with g=3 groups of r=1 query heads"),
-    "fuse W_v shape": (lambda: layouts.fuse_qkv(torch.ones(15, D), torch.ones(15, D),
-                                                torch.ones(12, D), n_heads=MU),
-                       r"W_v has shape \(12, 7\) but W_v\[\(g a\) i\] needs \(15, 7\)"),
+    "fuse W_v rows": (lambda: layouts.fuse_qkv(torch.ones(15, D), torch.ones(15, D),
+                                               torch.ones(13, D), n_heads=MU),
+                      r"W_v has shape \(13, 7\); its first axis \(g b\) must be a multiple "
+                      r"of 3"),
+    "fuse W_v columns": (lambda: layouts.fuse_qkv(torch.ones(15, D), torch.ones(15, D),
+                                                  torch.ones(12, D + 1), n_heads=MU),
+                         r"W_v has shape \(12, 8\) but W_v\[\(g b\) i\] needs "
+                         r"torch.Size\(\[7\]\) after its rows"),
     "fuse bias vs weight": (lambda: layouts.fuse_qkv(torch.ones(15), torch.ones(15, D),
                                                      torch.ones(15), n_heads=MU),
                             r"W_k has shape \(15, 7\) but W_k\[\(g a\) i\] needs \(15,\)"),

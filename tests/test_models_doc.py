@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from einattn import cross, differential, equations, gate, qk_norm, temperature
 from einattn import latent as mla
 from einattn.functional import SOFTMAX
 
@@ -19,16 +20,21 @@ TAGGED = {"MLA1": mla.QUERY_DOWN, "MLA3": mla.QUERY_UP_A, "MLA4": mla.QUERY_UP_R
           "MLA6": mla.ROTARY_KEY, "MLA8": mla.KEYS, "MLA9": mla.VALUES, "MLA10": mla.SCORES,
           "MLA11": SOFTMAX, "MLA12": mla.WEIGHTED, "MLA13": mla.OUTPUT,
           "MLA-A1": mla.ABSORB_Q, "MLA-A2": mla.SCORES_ABSORBED,
-          "MLA-A3": mla.WEIGHTED_LATENT, "MLA-A4": mla.ABSORB_V}
+          "MLA-A3": mla.WEIGHTED_LATENT, "MLA-A4": mla.ABSORB_V, "1b": equations.PROJECT_WIDE,
+          "G1": gate.GATE, "G2": gate.GATED, "D1": differential.LAMBDA,
+          "D4": differential.DIFFERENCE, "T2": temperature.FACTOR, "T3": temperature.SCALED,
+          "1k": cross.PROJECT_K, "1v": cross.PROJECT_V}
 HAND_WRITTEN = {  # tag -> LaTeX: what runs as torch code (rms_norm, einattn.rotary.rotate)
     "MLA2": r"C_{n \tau c} \leftarrow \gamma_{c} \, \frac{C_{n \tau c}}{\sqrt{\frac{1}{d_c} "
             r"\sum_{c'} C_{n \tau c'}^{2} + \epsilon}}",
     "MLA7": r"(Q_{R})_{n \mu \tau \rho} \leftarrow \operatorname{rot}_{\tau}(Q_{R})_{n \mu \tau "
             r"\rho}, \qquad (K_{R})_{n \sigma \rho} \leftarrow \operatorname{rot}_{\sigma}"
             r"(K_{R})_{n \sigma \rho}",
+    "QK1": qk_norm.LATEX["head"], "QK2": qk_norm.LATEX["heads"], "D5": differential.NORM_LATEX,
 }
 ORDER = ["MLA1", "MLA2", "MLA3", "MLA4", "MLA3'", "MLA4'", "MLA5", "MLA6", "MLA7", "MLA8",
-         "MLA9", "MLA10", "MLA11", "MLA12", "MLA13", "MLA-A1", "MLA-A2", "MLA-A3", "MLA-A4"]
+         "MLA9", "MLA10", "MLA11", "MLA12", "MLA13", "MLA-A1", "MLA-A2", "MLA-A3", "MLA-A4",
+         "1b", "QK1", "QK2", "G1", "G2", "D1", "D4", "D5", "T2", "T3", "1k", "1v"]
 DISPLAY = re.compile(r"^\$\$\n(.*?)\n\$\$$", re.M | re.S)
 TAG = re.compile(r"\s*\\tag\{([^}]*)\}$")
 
@@ -66,6 +72,9 @@ def test_the_docs_show_the_equations_the_layer_runs():
     (r"(W_{\mathrm{UK}})_{\mu a c} \tag{MLA-A1}", r"(W_{\mathrm{UK}})_{\mu c a} \tag{MLA-A1}"),
     ("Z[n μ τ b] = Z_C[n μ τ c] W_UV[μ b c]\n```", "Z[n μ τ b] = Z_C[n μ τ c] W_UV[μ c b]\n```"),
     ("$$\nV_{n \\mu \\sigma b}", "$$\nV_{n \\mu \\sigma a}"),
+    (r"\tag{G1}", r"\tag{G2}"),
+    ("Q_t[n μ τ a] = β[n τ] Q[n μ τ a]\n```", "Q_t[n μ τ a] = β[n σ] Q[n μ τ a]\n```"),
+    (r"\frac{1}{d_{\mu} d_a}", r"\frac{1}{d_a}"),
 ])
 def test_an_edited_doc_is_caught(old, new):
     doc = DOC.read_text(encoding="utf-8")
