@@ -17,13 +17,14 @@ from ._checks import check_block_size, check_dropout, check_impl, check_scale
 class Spec:
     """How equations (1)–(5) run, whatever the inputs.
 
-    ``impl`` ("einsum", "sdpa", "chunked", "flex") and ``block_size`` (its tiles) choose how
-    (2)–(4) run; ``dropout`` is the probability applied to ``A`` (a layer in eval mode runs its spec
-    with 0); ``scale`` the ``s`` of ``S = s · Q K`` (None: ``1/√a``); ``causal``,
-    ``window``, ``softcap`` and ``pattern`` the pieces of equation (3) every call applies
-    (:attr:`pieces` holds them made); ``rope``, ``rope_base``, ``rope_scaling`` and
-    ``rotary_dim`` the rotary embeddings (:mod:`einattn.rotary`). Each is checked when the
-    spec is made, with the message its keyword has."""
+    ``impl`` ("einsum", "sdpa", "chunked", "flex", or "auto": per call one of them) and
+    ``block_size`` (its tiles) choose how (2)–(4) run; ``dropout`` is the probability applied
+    to ``A`` (a layer in eval mode runs its spec with 0); ``scale`` the ``s`` of
+    ``S = s · Q K`` (None: ``1/√a``); ``causal``, ``window``, ``softcap`` and ``pattern``
+    the pieces of equation (3) every call applies (:attr:`pieces` holds them made);
+    ``rope``, ``rope_base``, ``rope_scaling`` and ``rotary_dim`` the rotary embeddings
+    (:mod:`einattn.rotary`). Each is checked when the spec is made, with the message its
+    keyword has."""
 
     impl: str = "einsum"
     block_size: int = 256
