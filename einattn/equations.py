@@ -46,8 +46,9 @@ def _fused_groups(W, n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:
     if not isinstance(W, torch.Tensor) or W.ndim != 2:
         shape = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
         raise EinattnError(f"W must be 2-D W[(μ B a) i], got {shape}")
-    if type(n_heads) is not int or type(n_kv_heads) not in (int, type(None)):
-        return _row_groups.__wrapped__(W.shape[0], n_heads, n_kv_heads)  # refused there
+    if type(n_heads) is not int or type(n_kv_heads) not in (int, type(None)) \
+            or torch.compiler.is_compiling():  # refused there; dynamo warns of a cache
+        return _row_groups.__wrapped__(W.shape[0], n_heads, n_kv_heads)
     return _row_groups(W.shape[0], n_heads, n_kv_heads)
 
 
