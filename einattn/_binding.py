@@ -101,7 +101,8 @@ class Pattern:
     def additive(self) -> bool:
         """Whether every score term is a bias added to S (no cap) and there is no sink:
         then the pattern is a mask and a bias, which SDPA takes as its float mask."""
-        return self.sinks is None and all(piece.additive for piece in self.scores)
+        return self.sinks is None and (not self.scores  # asked per call: no generator then
+                                       or all(piece.additive for piece in self.scores))
 
     @property
     def causal_only(self) -> bool:

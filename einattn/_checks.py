@@ -9,7 +9,7 @@ import torch
 
 from .errors import EinattnError
 
-IMPLS = ("einsum", "sdpa", "chunked", "flex")
+IMPLS = ("einsum", "sdpa", "chunked", "flex", "auto")
 
 
 def check_impl(impl: str) -> str:

@@ -72,6 +72,19 @@ def attention(Q, K, V, spec: Spec, mask, key_padding_mask, pieces: tuple, seen: 
 
 def _attend(Q, K, V, spec: Spec, mask, key_padding_mask, pieces: tuple, seen: bool, q0=None):
     """:func:`attention` on a Q already scaled (the ring's attention has this signature)."""
+    M, pattern = _bound(Q, K, mask, key_padding_mask, pieces, q0)
+    return impls.run(Q, K, V, M, pattern, spec, seen)
+
+
+def choice(Q, K, V, spec: Spec, mask, key_padding_mask, pieces: tuple, seen: bool,
+           q0=None) -> impls.auto.Choice:
+    """Which impl :func:`attention` runs this call on, and why (nothing is run)."""
+    M, pattern = _bound(Q, K, mask, key_padding_mask, pieces, q0)
+    return impls.choice(Q, K, V, M, pattern, spec, seen)
+
+
+def _bound(Q, K, mask, key_padding_mask, pieces: tuple, q0):
+    """``(M, pattern)``: the call's mask ``M[n μ τ σ]`` (or None) and its bound pieces."""
     (n, n_heads, L_q, _), L_k = Q.shape, K.shape[2]
     pattern = patterns.bind(pieces, n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=Q.dtype,
                             device=Q.device, q0=q0)
@@ -79,7 +92,7 @@ def _attend(Q, K, V, spec: Spec, mask, key_padding_mask, pieces: tuple, seen: bo
     if mask is not None or key_padding_mask is not None:
         M = masks.attention_mask(n=n, n_heads=n_heads, L_q=L_q, L_k=L_k, dtype=Q.dtype,
                                  device=Q.device, mask=mask, key_padding_mask=key_padding_mask)
-    return impls.run(Q, K, V, M, pattern, spec, seen)
+    return M, pattern
 
 
 def call_pieces(spec: Spec, call: Call, alibi, sinks, document_ids) -> tuple:
@@ -206,11 +219,14 @@ def _check_cached_call(cache, Q, V, w: dict, spec: Spec, call: Call, pattern: bo
     cache does not take, and the output weights of equation (5)."""
     cache.check_call(Q.shape[2], mask=call.mask, pattern=pattern, positions=call.positions,
                      document_ids=call.document_ids)
+    W_O = w["W_O"]
     if not torch.compiler.is_compiling():  # Z[n μ τ b]: Q's heads, V's width (differential:
         n, heads, L, b = *Q.shape[:3], V.shape[-1]  # half the heads, the value pairs' width)
         shape = (n, heads, L, b) if spec.differential is None else (n, heads // 2, L, 2 * b)
-        equations.HEADS.sizes(Z=shape, W_O=w["W_O"])
-    equations.check_b_O(w["b_O"], w["W_O"])
+        if not isinstance(W_O, torch.Tensor) or W_O.ndim != 3 \
+                or W_O.shape[:2] != (shape[1], shape[3]):
+            equations.HEADS.sizes(Z=shape, W_O=W_O)  # names the index and both sizes
+    equations.check_b_O(w["b_O"], W_O)
 
 
 def scaled(Q: torch.Tensor, scale: float | None) -> torch.Tensor:

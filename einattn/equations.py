@@ -9,6 +9,8 @@ them, the impls (:mod:`einattn.impls`) run (2)–(4) their ways.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _autocast, _softmax, layouts
@@ -64,11 +66,21 @@ def _opened(W: torch.Tensor, g: int, r: int) -> torch.Tensor:
 def _fused_groups(W, n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:
     """``(g, r)`` for a fused weight whose rows have been checked against them."""
     _check_2d(W)
+    if type(n_heads) is not int or type(n_kv_heads) not in (int, type(None)) \
+            or torch.compiler.is_compiling():  # refused there; dynamo warns of a cache
+        return _row_groups.__wrapped__(W.shape[0], n_heads, n_kv_heads)
+    return _row_groups(W.shape[0], n_heads, n_kv_heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_groups(rows: int, n_heads: int, n_kv_heads: int | None) -> tuple[int, int]:
+    """``(g, r)`` for a fused weight of ``rows`` rows, checked once per sizes (a refusal
+    raises, and so is not kept: it is made again on every call)."""
     g, r = layouts.groups(n_heads, n_kv_heads)
-    if W.shape[0] % (g * (r + 2)):
+    if rows % (g * (r + 2)):
         layout = "W[(μ B a) i] needs μ·B·a" if r == 1 else "W[(g C a) i] needs g·C·a"
         raise EinattnError(
-            f"W has {W.shape[0]} rows; {layout} rows with {_counts(g, r)}, "
+            f"W has {rows} rows; {layout} rows with {_counts(g, r)}, "
             f"so a multiple of {g * (r + 2)}")
     return g, r
 
@@ -195,8 +207,9 @@ def check_qkv(Q, K, V) -> None:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise EinattnError(f"{name} must be 4-D {name}[{indices}], got {shape}")
         check_floating(name, t)
-    if not torch.compiler.is_compiling():  # checked eagerly, as an Equation's sizes are:
-        SCORES_GQA.sizes(Q=Q, K=K)  # n and a agree, g divides μ; errors show (2g)
+    (n, μ, _, a), (n_K, g, _, a_K) = Q.shape, K.shape  # n and a agree, g divides μ: else
+    if (n != n_K or a != a_K or not g or μ % g) and not torch.compiler.is_compiling():
+        SCORES_GQA.sizes(Q=Q, K=K)  # the equation's sizes say which, showing (2g)
     for index, axis in (("n", 0), ("g", 1), ("σ", 2)):
         if V.shape[axis] != K.shape[axis]:
             raise EinattnError(f"index {index!r} has size {V.shape[axis]} in V but "

@@ -45,12 +45,13 @@ from .equations import (
     project_qkv,
     weighted_values,
 )
+from .impls.auto import Choice
 from .spec import Spec
 
 __all__ = ["HEADS", "HEAD_TERMS", "IMPLS", "PROJECT", "PROJECT_GQA", "SCORES", "SCORES_GQA",
            "SOFTMAX", "VALUES", "VALUES_GQA", "attention", "attention_scores", "check_qkv",
-           "combine_heads", "head_contributions", "masked_softmax", "multi_head_attention",
-           "open_fused", "project_qkv", "weighted_values"]
+           "combine_heads", "explain", "head_contributions", "masked_softmax",
+           "multi_head_attention", "open_fused", "project_qkv", "weighted_values"]
 
 
 def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
@@ -73,7 +74,8 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     slopes (:func:`einattn.masks.alibi_slopes`; a tensor ``m[μ]`` gives others);
     ``softcap=c`` caps the scaled scores, ``c · tanh(S / c)``; ``sinks`` (``s[μ]``) adds a
     logit to each row's softmax denominator, so rows sum to less than one. ``impl``:
-    "einsum", "sdpa", "chunked" or "flex" (docs/masks.md: which runs what).
+    "einsum", "sdpa", "chunked" or "flex" (docs/masks.md: which runs what), or "auto", the
+    fastest of them for this call (:func:`explain` says which, and why).
     ``need_weights=True`` returns ``(Z, A)`` (the einsum path's). ``is_causal`` (PyTorch's
     name) is refused: einattn's is ``causal``.
 
@@ -81,14 +83,41 @@ def attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
     >>> attention(Q, K, V, causal=True, window=3, softcap=30.0).shape
     torch.Size([1, 4, 6, 8])
     """
-    spec = Spec(impl, block_size, dropout, scale, window=window, softcap=softcap,
-                pattern=pattern)
     refuse_is_causal(is_causal)
-    check_qkv(Q, K, V)
-    pieces = composition.call_pieces(spec, composition.Call(causal=causal), alibi, sinks,
-                                     document_ids)
+    spec, pieces = _prepared(Q, K, V, locals())
     stages = composition.attention(Q, K, V, spec, mask, key_padding_mask, pieces, need_weights)
     return (stages["Z"], stages["A"]) if need_weights else stages["Z"]
+
+
+def explain(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *,
+            mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
+            causal: bool = False, window: int | None = None, softcap: float | None = None,
+            alibi=False, sinks: torch.Tensor | None = None,
+            document_ids: torch.Tensor | None = None, pattern=None, dropout: float = 0.0,
+            impl: str = "auto", block_size: int = 256, scale: float | None = None,
+            need_weights: bool = False) -> Choice:
+    """Which impl :func:`attention` runs with these arguments on, and why, as a
+    ``Choice(impl, reason)``; nothing is run. With ``impl="auto"`` (the default here) the
+    rule of :data:`einattn.impls.auto.RULES` that decides; whether gradients are needed is
+    read as a call would read it (grad mode, and which inputs require grad).
+
+    >>> Q = K = V = torch.randn(1, 4, 512, 16)
+    >>> explain(Q, K, V, causal=True).impl
+    'sdpa'
+    """
+    spec, pieces = _prepared(Q, K, V, locals())
+    return composition.choice(Q, K, V, spec, mask, key_padding_mask, pieces, need_weights)
+
+
+def _prepared(Q, K, V, a: dict) -> tuple:
+    """The spec and the pieces of one call of :func:`attention` (or :func:`explain`), from
+    its keywords ``a``, checked."""
+    spec = Spec(a["impl"], a["block_size"], a["dropout"], a["scale"], window=a["window"],
+                softcap=a["softcap"], pattern=a["pattern"])
+    check_qkv(Q, K, V)
+    pieces = composition.call_pieces(spec, composition.Call(causal=a["causal"]), a["alibi"],
+                                     a["sinks"], a["document_ids"])
+    return spec, pieces
 
 
 def multi_head_attention(x: torch.Tensor, W: torch.Tensor, W_O: torch.Tensor, *, n_heads: int,

@@ -155,18 +155,18 @@ def _gpt2(module: nn.Module, who: str) -> MultiHeadAttention:
 # -- whole models: einattn as a Hugging Face attention implementation -----------------------
 
 IMPLEMENTATIONS = {"einattn": "einsum", "einattn_sdpa": "sdpa", "einattn_chunked": "chunked",
-                   "einattn_flex": "flex"}
+                   "einattn_flex": "flex", "einattn_auto": "auto"}
 
 
 def register() -> None:
     """Register einattn with ``transformers``: after it, ``attn_implementation="einattn"``
-    (the equations as written), ``"einattn_sdpa"``, ``"einattn_chunked"`` or
-    ``"einattn_flex"`` in ``from_config``, ``from_pretrained`` or
-    ``model.set_attn_implementation`` runs every attention layer of a model through
-    :func:`einattn.functional.attention`. Each name's mask is Hugging Face's boolean
-    ``sdpa_mask`` (True = may attend: causal, padding, a sliding window, packed sequences),
-    which einattn reads with its own meaning: a query with no key to attend to gives zeros,
-    never NaN. Calling it again changes nothing."""
+    (the equations as written), ``"einattn_sdpa"``, ``"einattn_chunked"``, ``"einattn_flex"``
+    or ``"einattn_auto"`` (each call on the fastest of them: :mod:`einattn.impls.auto`) in
+    ``from_config``, ``from_pretrained`` or ``model.set_attn_implementation`` runs every
+    attention layer of a model through :func:`einattn.functional.attention`. Each name's
+    mask is Hugging Face's boolean ``sdpa_mask`` (True = may attend: causal, padding, a
+    sliding window, packed sequences), which einattn reads with its own meaning: a query
+    with no key to attend to gives zeros, never NaN. Calling it again changes nothing."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     for name, impl in IMPLEMENTATIONS.items():
@@ -176,8 +176,9 @@ def register() -> None:
         warnings.warn("this transformers keeps no record einattn can read of the outputs a "
                       "forward gathers: a model that is asked for output_attentions in its "
                       "call and does not hand the flag to its attention (GPT-2) gets no "
-                      "attention maps from einattn_sdpa, einattn_chunked or einattn_flex; "
-                      "set config.output_attentions, or use 'einattn'", stacklevel=2)
+                      "attention maps from einattn_sdpa, einattn_chunked, einattn_flex or "
+                      "einattn_auto; set config.output_attentions, or use 'einattn'",
+                      stacklevel=2)
 
 
 def _forward(impl: str, module, query, key, value, attention_mask, dropout: float = 0.0,

@@ -202,8 +202,9 @@ class MultiHeadAttention(nn.Module):
         ``A[n μ τ σ]`` as applied (after dropout). ``return_intermediates=True`` returns
         ``(Y, stages)``: a dict of every intermediate by its equation name
         (Q, K, V, S, A, Z, Y_μ, Y; and Z_D, N of differential attention, G, Z_g of the
-        gate). ``impl`` overrides the constructor's ("einsum", "sdpa", "chunked" or "flex");
-        all four share the parameters and agree. ``positions``
+        gate). ``impl`` overrides the constructor's ("einsum", "sdpa", "chunked", "flex", or
+        "auto": per call the fastest of the four, :mod:`einattn.impls.auto`); all share the
+        parameters and agree. ``positions``
         (``(L,)`` or ``(n, L)`` integers) places the tokens for RoPE; by default they follow
         the tokens already in ``cache``. With ``cache`` (a :class:`~einattn.KVCache`),
         this call's keys and values are appended to it and attention runs over all of it:
@@ -244,12 +245,11 @@ class MultiHeadAttention(nn.Module):
         "How the fast paths are fast"); a weight that is not kept there is read as its
         attribute: a parametrized one (``torch.nn.utils.parametrize``, ``weight_norm``), a
         pruned one, FSDP's views, ``nn.DataParallel``'s replicas."""
-        p = self._parameters
-        fused = self.d_context is None  # else W_Q and W_KV: W is W_Q, b is b_Q
+        p = self._parameters  # W_KV, b_KV: not asked of a fused layer, whose getattr would
+        # raise and catch an AttributeError inside nn.Module on every call
         W, b, W_O, b_O, sinks, W_KV, b_KV = [
-            p[name] if name in p else getattr(self, name, None)
-            for name in ("W" if fused else "W_Q", "b" if fused else "b_Q", "W_O", "b_O",
-                         "sinks", "W_KV", "b_KV")]
+            None if name is None else p[name] if name in p else getattr(self, name, None)
+            for name in (_FUSED if self.d_context is None else _SPLIT)]
         w = {"W": W, "W_O": W_O, "b": b, "b_O": b_O, "sinks": sinks, "alibi": self.alibi,
              "W_KV": W_KV, "b_KV": b_KV, "n_heads": self.n_heads,
              "n_kv_heads": self.n_kv_heads,
@@ -391,6 +391,12 @@ class MultiHeadAttention(nn.Module):
         _torch_mha.refuse_torch_state(state_dict, prefix, own)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+
+# what _attention_weights reads, as W, b, W_O, b_O, sinks, W_KV, b_KV: a fused layer's W
+# and b, or a d_context layer's W_Q, b_Q, W_KV and b_KV
+_FUSED = ("W", "b", "W_O", "b_O", "sinks", None, None)
+_SPLIT = ("W_Q", "b_Q", "W_O", "b_O", "sinks", "W_KV", "b_KV")
 
 
 def _sequence_first(out):

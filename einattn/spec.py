@@ -21,19 +21,19 @@ from .temperature import Temperature
 class Spec:
     """How equations (1)–(5) run, whatever the inputs.
 
-    ``impl`` ("einsum", "sdpa", "chunked", "flex") and ``block_size`` (its tiles) choose how
-    (2)–(4) run; ``dropout`` is the probability applied to ``A`` (a layer in eval mode runs its spec
-    with 0); ``scale`` the ``s`` of ``S = s · Q K`` (None: ``1/√a``); ``causal``,
-    ``window``, ``softcap`` and ``pattern`` the pieces of equation (3) every call applies
-    (:attr:`pieces` holds them made); ``rope``, ``rope_base``, ``rope_scaling`` and
-    ``rotary_dim`` the rotary embeddings (:mod:`einattn.rotary`); ``qk_norm`` the norm of
-    queries and keys (:class:`einattn.qk_norm.QKNorm`), ``temperature`` Llama 4's
+    ``impl`` ("einsum", "sdpa", "chunked", "flex", or "auto": per call one of them) and
+    ``block_size`` (its tiles) choose how (2)–(4) run; ``dropout`` is the probability applied
+    to ``A`` (a layer in eval mode runs its spec with 0); ``scale`` the ``s`` of
+    ``S = s · Q K`` (None: ``1/√a``); ``causal``, ``window``, ``softcap`` and ``pattern``
+    the pieces of equation (3) every call applies (:attr:`pieces` holds them made);
+    ``rope``, ``rope_base``, ``rope_scaling`` and ``rotary_dim`` the rotary embeddings
+    (:mod:`einattn.rotary`); ``qk_norm`` the norm of queries and keys
+    (:class:`einattn.qk_norm.QKNorm`), ``temperature`` Llama 4's
     (:class:`einattn.temperature.Temperature`), ``differential`` differential attention's
     numbers (:class:`einattn.differential.Differential`), ``gate`` an output gate
     (:mod:`einattn.gate`), ``bias_kv`` one more key and value for every query
     (:mod:`einattn.slots`), ``zero_attn`` a key and value of zeros for every query (a sink of
-    logit 0). Each is checked when the spec is made, with
-    the message its keyword has."""
+    logit 0). Each is checked when the spec is made, with the message its keyword has."""
 
     impl: str = "einsum"
     block_size: int = 256

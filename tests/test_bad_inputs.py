@@ -238,9 +238,11 @@ BAD = {
     "n_kv_heads-not-dividing": (lambda: MultiHeadAttention(30, 6, n_kv_heads=4),
                                 r"n_heads=6 is not a multiple of n_kv_heads=4"),
     "impl-unknown": (lambda: MultiHeadAttention(30, 5, impl="flash"),
-                     r"impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', got 'flash'"),
+                     r"impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', 'auto', "
+                     r"got 'flash'"),
     "impl-unknown-per-call": (lambda: MultiHeadAttention(30, 5)(torch.ones(1, 2, 30), impl="x"),
-                              r"impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', got 'x'"),
+                              r"impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', "
+                              r"'auto', got 'x'"),
     "dropout-not-a-number": (lambda: MultiHeadAttention(30, 5, dropout="0.1"),
                              r"dropout .* must be a number in \[0, 1\), got '0\.1'"),
     "from_fused-W_O-2-D": (lambda: MultiHeadAttention.from_fused(torch.ones(90, 30),

@@ -517,7 +517,7 @@ ERRORS = {
     "W_O a": (dict(W_O=torch.ones(4, 3, 16)), r"index 'a' has size 3 in W_O but 4 in Z"),
     "W_O μ": (dict(W_O=torch.ones(2, 4, 16)), r"index 'μ' has size 2 in W_O but 4 in Z"),
     "impl": (dict(impl="fast"),
-             r"impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', got 'fast'"),
+             r"impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', 'auto', got 'fast'"),
     "W_O i": (dict(W_O=torch.ones(4, 4, 9)),
               r"index 'i' has size 9 in W_O but 16 in x"),
     "b_O size": (dict(b_O=torch.ones(7)),

@@ -226,7 +226,7 @@ def test_without_hfs_record_of_outputs_register_warns(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers.utils.output_capturing", None)
     try:
         with pytest.warns(UserWarning, match=r"no attention maps from einattn_sdpa, "
-                                             r"einattn_chunked or einattn_flex"):
+                                             r"einattn_chunked, einattn_flex or einattn_auto"):
             hf.register()
     finally:
         hf._output_collector.cache_clear()

@@ -341,7 +341,8 @@ BAD_OPTIONS = [  # (constructor options, the message)
     ({"scale": 0}, "scale must be a finite positive number, got 0"),
     ({"dropout": 1.0}, r"dropout .the probability .* must be a number in \[0, 1\), got 1.0"),
     ({"form": "compressed"}, "form must be one of 'expanded', 'absorbed', got 'compressed'"),
-    ({"impl": "flash"}, "impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', got 'flash'"),
+    ({"impl": "flash"},
+     "impl must be one of 'einsum', 'sdpa', 'chunked', 'flex', 'auto', got 'flash'"),
 ]
 
 

@@ -8,7 +8,9 @@ each with one entry point of one signature, ``run(Q, K, V, M, pattern, spec, see
 * :mod:`~einattn.impls.chunked`: exact attention over tiles of queries × keys with O(L)
   memory (:mod:`einattn.impls.tiles`), skipping the tiles the pattern leaves empty;
 * :mod:`~einattn.impls.flex`: FlexAttention with the pattern's mods and a BlockMask from the
-  same tiles.
+  same tiles;
+* :mod:`~einattn.impls.auto`: no impl of its own: ``impl="auto"`` picks one of the four
+  above per call, by a table of measured rules, and runs it.
 
 Each takes grouped-query keys and values as they are, ``K[n g σ a]`` with ``μ = (g r)``,
 never repeated per head, and einattn's masks with einattn's meaning: True = may attend,
@@ -26,7 +28,7 @@ import math
 import torch
 
 from .. import _softmax
-from . import chunked, einsum, flex, sdpa
+from . import auto, chunked, einsum, flex, sdpa
 
 RUNS = {"einsum": einsum.run, "sdpa": sdpa.run, "chunked": chunked.run, "flex": flex.run}
 
@@ -34,14 +36,27 @@ RUNS = {"einsum": einsum.run, "sdpa": sdpa.run, "chunked": chunked.run, "flex": 
 def run(Q, K, V, M, pattern, spec, seen: bool) -> dict[str, torch.Tensor]:
     """Equations (2)–(4) by the spec's impl, with the mask ``M`` and the bound ``pattern``:
     every stage where they are ``seen`` (on the einsum path, which alone has S and A), Z
-    alone elsewhere."""
-    impl = RUNS["einsum" if seen else routed(spec.impl, pattern)]
+    alone elsewhere. ``impl="auto"`` runs the impl :func:`einattn.impls.auto.choose` picks."""
+    name = spec.impl
+    if name == "auto":
+        name = auto.noted(auto.choose(Q, K, V, M, pattern, spec, seen), Q, K)
+    impl = RUNS["einsum" if seen else routed(name, pattern)]
     stages = impl(Q, K, V, M, pattern, spec, seen)
     if (M is not None or pattern.masks) and nonfinite(stages["Z"]):
         def again(K, V):
             return impl(Q, K, V, M, pattern, spec, seen)
         stages = masked_nonfinite_dropped(again, Q, K, V, M, pattern, stages)
     return stages
+
+
+def choice(Q, K, V, M, pattern, spec, seen: bool) -> auto.Choice:
+    """The impl :func:`run` runs this call on, and why (nothing is run)."""
+    if spec.impl == "auto":
+        return auto.choose(Q, K, V, M, pattern, spec, seen)
+    name = "einsum" if seen else routed(spec.impl, pattern)
+    why = "the weights A exist on the einsum path alone" if seen and spec.impl != "einsum" \
+        else "as asked" if name == spec.impl else "SDPA cannot take a cap or a sink"
+    return auto.Choice(name, f"impl={spec.impl!r}: {why}")
 
 
 def routed(impl: str, pattern) -> str:
