@@ -210,8 +210,7 @@ class ScoreMod(_Function, ScorePiece):
         dtype = torch.promote_types(dtype, torch.float32)  # the tiles' scores
         if self._spends(dtype, frame.device) and not self._differentiable(dtype, frame.device):
             return self._in_place_refusal()
-        out = self._probe(dtype, frame.device, False)[0]
-        hidden = _reads.unseen(out, self.tensors) if isinstance(out, torch.Tensor) else None
+        hidden = self._hidden(dtype, frame.device)
         if hidden is None:
             return None
         return (f"ScoreMod({_named(self.fn)}) reads a tensor of shape {tuple(hidden.shape)} "
@@ -220,6 +219,19 @@ class ScoreMod(_Function, ScorePiece):
                 f"gradient: use impl='einsum' or 'sdpa', or let the function reach it through "
                 f"its closure, its defaults, a global it names or the module of a bound "
                 f"method (a parameter, a buffer or a tensor attribute)")
+
+    def _hidden(self, dtype: torch.dtype, device) -> torch.Tensor | None:
+        """A tensor wanting a gradient in the graph of ``fn``'s result that its search does
+        not find (:func:`einattn._reads.unseen`), asked again when what ``fn`` reaches is
+        another (not when a tensor's values change: an optimizer's step)."""
+        reads = _reads.key(self.fn, versions=False)
+        if self.probed.get("reads") != reads:
+            out = self._probe(dtype, device, False)[0]
+            self.probed["reads"] = reads
+            self.probed["hidden"] = _reads.unseen(out, self.tensors) \
+                if isinstance(out, torch.Tensor) else None
+        hidden = self.probed["hidden"]
+        return hidden if hidden is not None and hidden.requires_grad else None
 
     def _spends(self, dtype: torch.dtype, device) -> bool:
         """Whether ``fn`` writes into the score it is given (asked once, of a probe;

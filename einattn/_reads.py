@@ -93,10 +93,10 @@ class _Same:
         return id(self.item)
 
 
-def key(fn) -> tuple:
-    """What ``fn`` reads as a key: each object by identity, each tensor with its version (an
-    inference tensor, which keeps none, by identity alone)."""
-    return tuple((_Same(item), _version(item)) for item in reached(fn))
+def key(fn, versions: bool = True) -> tuple:
+    """What ``fn`` reads as a key: each object by identity, each tensor with its version
+    (without ``versions``, or for an inference tensor, which keeps none, by identity)."""
+    return tuple((_Same(item), _version(item) if versions else None) for item in reached(fn))
 
 
 def _version(item):

@@ -88,15 +88,16 @@ def masked(S: torch.Tensor, mask: torch.Tensor | None, every_row_sees_a_key: boo
     softmax = over_scratch if scratch else _fresh
     if mask is None and not logits_mask:
         return softmax(S)
-    dead = None
+    admissible = None
     if mask is not None and mask.dtype == torch.bool:
-        dead = ~mask.any(dim=-1, keepdim=True)
+        admissible = mask
         S = (S.masked_fill_ if scratch else S.masked_fill)(~mask, float("-inf"))
     elif mask is not None:
-        dead = ~(mask != float("-inf")).any(dim=-1, keepdim=True)
+        admissible = mask != float("-inf")
         S = S.add_(mask) if scratch else S + mask
     if every_row_sees_a_key:
         return softmax(S)
+    dead = None if admissible is None else ~admissible.any(dim=-1, keepdim=True)
     if logits_mask:  # −∞ all along a row of S itself
         empty = (maximum(S) == float("-inf"))[..., None]
         dead = empty if dead is None else dead | empty
