@@ -87,7 +87,7 @@ class Pattern:
     @property
     def only_masks(self) -> bool:
         """Whether the pattern only masks: no score term, no sink."""
-        return not self.scores and self.sinks is None
+        return len(self.scores) == 0 and self.sinks is None  # len: dynamo traces it
 
     @property
     def additive(self) -> bool:
