@@ -15,6 +15,7 @@ explains (read through a path the search does not follow).
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 
 import torch
@@ -54,10 +55,10 @@ def _inside(item) -> list:
     if isinstance(item, (list, tuple)):
         return list(item[:ITEMS])
     if isinstance(item, dict):
-        return list(item.values())[:ITEMS]
+        return list(itertools.islice(item.values(), ITEMS))
     if isinstance(item, (type, types.ModuleType, str, bytes)) or not hasattr(item, "__dict__"):
         return []
-    return list(vars(item).values())[:ITEMS]
+    return list(itertools.islice(vars(item).values(), ITEMS))
 
 
 def _of_function(fn: types.FunctionType) -> list:
