@@ -95,7 +95,7 @@ class Pattern:
     @property
     def only_masks(self) -> bool:
         """Whether the pattern only masks: no score term, no sink."""
-        return not self.scores and self.sinks is None
+        return len(self.scores) == 0 and self.sinks is None  # len: dynamo traces it
 
     @property
     def additive(self) -> bool:
@@ -113,15 +113,23 @@ class Pattern:
                 and f.L_q == f.L_k and type(f.q0) is int and f.q0 == f.k0)
 
     def no_dead_row(self, M) -> bool:
-        """Whether no query row can be fully masked: no mask ``M``, and every mask piece
-        lets a query see its own position, which is among the keys."""
+        """Whether no query row can be fully masked: no mask ``M``, every mask piece lets a
+        query see its own position, which is among the keys, and no score term masks."""
         f = self.frame
         return (M is None and bool(self.masks) and all(p.diagonal for p in self.masks)
-                and type(f.q0) is int and f.k0 <= f.q0 and f.q0 + f.L_q <= f.k0 + f.L_k)
+                and type(f.q0) is int and f.k0 <= f.q0 and f.q0 + f.L_q <= f.k0 + f.L_k
+                and not self.scores_mask)
+
+    @property
+    def scores_mask(self) -> bool:
+        """Whether a score term may set scores to −∞ itself (a ScoreMod: FlexAttention's way
+        to mask), so that a row of logits may be all −∞ with no mask saying so."""
+        return not all(piece.finite for piece in self.scores)
 
     def refusal(self, impl: str) -> str | None:
         """Why ``impl`` cannot run one of the score terms as it is, or None."""
-        return next((why for why in (p.tile_refusal(impl) for p in self.scores) if why), None)
+        return next((why for why in (p.tile_refusal(impl, self.frame, self.dtype)
+                                     for p in self.scores) if why), None)
 
     @property
     def key(self):

@@ -28,9 +28,12 @@ A piece says what it is, ``KIND`` ("mask", "score" or "sink"), and gives its LaT
 A score piece gives ``score(S, n, μ, τ, σ)``, ``grads(S, dS, n, μ, τ, σ)`` (∂L/∂S from
 ∂L/∂score, and the gradients of the ``tensors`` it reads that want one, for the chunked
 path's recomputing backward), ``STAGE`` (0: a function of S such as the cap; 1: a term ``B``
-added to it) and ``additive`` (then ``bias(n, μ, τ, σ)`` is ``B``). ``bound(frame, dtype)``
-checks a piece against one call and gives the piece that runs there. Mask pieces compose
-with ``&``, ``|`` and ``~``, as FlexAttention's ``and_masks``, ``or_masks`` do.
+added to it), ``additive`` (then ``bias(n, μ, τ, σ)`` is ``B``), ``finite`` (it gives a finite
+score for a finite one: else a row it sets to −∞ is guarded as a fully masked row) and
+``tile_refusal(impl, frame, dtype)`` (why the chunked or flex path cannot run it, or None).
+``bound(frame, dtype)`` checks a piece against one call and gives the piece that runs
+there. Mask pieces compose with ``&``, ``|`` and ``~``, as FlexAttention's ``and_masks``,
+``or_masks`` do.
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ class ScorePiece:
     KIND = "score"
     STAGE = 0
     additive = False
+    finite = True  # a finite score stays finite (no −∞ of its own)
     tensors = ()  # what it reads that wants a gradient, beside S
 
     def grads(self, S, dS, n, mu, tau, sigma) -> tuple:
@@ -163,8 +167,9 @@ class ScorePiece:
     def bound(self, frame: Frame, dtype: torch.dtype) -> ScorePiece:
         return self
 
-    def tile_refusal(self, impl: str) -> str | None:
-        """Why ``impl`` (chunked, flex) cannot run this piece as it is, or None."""
+    def tile_refusal(self, impl: str, frame: Frame, dtype: torch.dtype) -> str | None:
+        """Why ``impl`` (chunked, flex) cannot run this piece, bound to ``frame`` for scores
+        of ``dtype``, as it is, or None."""
         return None
 
 

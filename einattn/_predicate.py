@@ -18,6 +18,7 @@ import torch
 from .errors import at
 
 INDICES = {"n": "n", "μ": r"\mu", "τ": r"\tau", "σ": r"\sigma"}
+WORDS = ("and", "or", "not")  # ∧, ∨, ¬ spelled out
 _SYMBOLS = {"<=": "≤", ">=": "≥", "==": "=", "!=": "≠", "-": "−", "and": "∧", "or": "∨",
             "not": "¬"}
 COMPARISONS = {"<": "<", "≤": r"\le", "=": "=", "≠": r"\ne", "≥": r"\ge", ">": ">"}
@@ -58,7 +59,7 @@ class _Reader:
             word = m.group(kind)
             if kind == "bad":
                 raise at(f"unexpected {word!r} in the mask", text, m.start(kind))
-            if kind == "name" and word in ("and", "or", "not"):
+            if kind == "name" and word in WORDS:
                 kind = "symbol"
             self.tokens.append((kind, _SYMBOLS.get(word, word), m.start(kind)))
         self.tokens.append(("end", "", len(text.rstrip())))

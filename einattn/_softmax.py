@@ -75,27 +75,32 @@ class _SoftmaxInPlace(torch.autograd.Function):
 # -- equation (3)'s masking contract: a row with nothing to attend to gives zeros -------------
 
 def masked(S: torch.Tensor, mask: torch.Tensor | None, every_row_sees_a_key: bool = False,
-           *, scratch: bool = False) -> torch.Tensor:
+           *, scratch: bool = False, logits_mask: bool = False) -> torch.Tensor:
     """``softmax_σ(S + M)`` over the last axis, ``mask`` boolean (True = may attend, a
     masked score never read) or float (added). A row whose every key is masked gives exact
     zeros and zero gradients: its scores are set to 0 before the softmax and its weights to
     0 after, never a finite sentinel. ``every_row_sees_a_key``: the caller's promise that
-    no row is fully masked, which skips those two passes. With ``scratch`` S may be spent:
-    where :func:`spendable` finds that saves a buffer, the mask is applied to S in place
-    and the softmax written over it."""
+    no row is fully masked, which skips those two passes; ``logits_mask``: S itself may be
+    −∞ (a score term that masks, FlexAttention's way), and a row of S all −∞ is a fully
+    masked row too. With ``scratch`` S may be spent: where :func:`spendable` finds that
+    saves a buffer, the mask is applied to S in place and the softmax written over it."""
     scratch = scratch and spendable(S)
     softmax = over_scratch if scratch else _fresh
-    if mask is None:
+    if mask is None and not logits_mask:
         return softmax(S)
-    if mask.dtype == torch.bool:
+    admissible = None
+    if mask is not None and mask.dtype == torch.bool:
         admissible = mask
         S = (S.masked_fill_ if scratch else S.masked_fill)(~mask, float("-inf"))
-    else:
+    elif mask is not None:
         admissible = mask != float("-inf")
         S = S.add_(mask) if scratch else S + mask
     if every_row_sees_a_key:
         return softmax(S)
-    dead = ~admissible.any(dim=-1, keepdim=True)
+    dead = None if admissible is None else ~admissible.any(dim=-1, keepdim=True)
+    if logits_mask:  # −∞ all along a row of S itself
+        empty = (maximum(S) == float("-inf"))[..., None]
+        dead = empty if dead is None else dead | empty
     A = softmax((S.masked_fill_ if scratch else S.masked_fill)(dead, 0.0))
     return A.masked_fill(dead, 0.0)
 

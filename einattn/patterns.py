@@ -300,7 +300,7 @@ class ALiBi(ScorePiece):
         return ALiBi(check_per_head(self.slopes, "alibi", what, frame.n_heads, frame.device)
                      .to(dtype))
 
-    def tile_refusal(self, impl: str) -> str | None:
+    def tile_refusal(self, impl: str, frame: Frame, dtype: torch.dtype) -> str | None:
         if not (torch.is_grad_enabled() and self.slopes.requires_grad):
             return None
         return (f"impl={impl!r} takes ALiBi's slopes as constants, but this alibi tensor "

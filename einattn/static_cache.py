@@ -7,8 +7,10 @@ the storage holds ``max_length`` positions from the first call, the number fille
 is a tensor ``f`` (no Python number changes from step to step), a call writes its ``L``
 keys and values at positions ``f … f + L − 1`` (``index_copy_``), and attention runs over
 all ``max_length`` positions, those not filled yet being padding, the queries at positions
-``f … f + L − 1`` (:meth:`StaticKVCache.seen_by`): the causal piece reads them as it reads
-any position, ``σ ≤ τ'``, and RoPE turns the queries and keys there. The work per step is
+``f … f + L − 1`` (:meth:`StaticKVCache.seen_by`): every piece of a pattern defined by
+positions reads them as it reads any position (the causal piece ``σ ≤ τ'``, a window, ALiBi,
+a ``Mask`` string, a ``MaskMod`` or ``ScoreMod``, ...), each tile then judged partial, as ``f``
+is known on the device alone, and RoPE turns the queries and keys there. The work per step is
 that of ``max_length`` keys, whatever the number filled: the price of one shape.
 """
 
@@ -85,18 +87,18 @@ class StaticKVCache:
     def check_call(self, L: int, *, mask=None, pattern: bool = False, positions=None,
                    document_ids=None) -> None:
         """Refuse, before anything is written, a call of ``L`` tokens this cache cannot
-        take: ``document_ids``, ``positions``, a ``mask`` or an attention ``pattern``, or
-        more positions than ``max_length`` holds (the count filled is read where it can be:
-        not inside a compiled region)."""
+        take: ``document_ids``, ``positions``, a ``mask``, or more positions than
+        ``max_length`` holds (the count filled is read where it can be: not inside a
+        compiled region). Every ``pattern`` is taken (the pieces read its positions)."""
         if document_ids is not None:
             raise EinattnError("a StaticKVCache keeps no document_ids; use KVCache")
         if positions is not None:
             raise EinattnError("a StaticKVCache places the tokens at the positions it has "
                                "filled; drop positions=")
-        if mask is not None or pattern:
-            raise EinattnError("a StaticKVCache takes causal and key_padding_mask; a mask or "
-                               "an attention pattern (window, ALiBi, softcap, sinks, "
-                               "documents) needs KVCache")
+        if mask is not None:
+            raise EinattnError("a StaticKVCache takes key_padding_mask and the pieces of a "
+                               "pattern (read at the positions it has filled); a mask needs "
+                               "KVCache")
         if L > self.max_length:
             raise EinattnError(f"a call of {L} positions does not fit a StaticKVCache of "
                                f"max_length={self.max_length}")

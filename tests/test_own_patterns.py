@@ -243,6 +243,13 @@ ERRORS = {
         lambda s, b, h, q, kv: s.sum(-1))),
         r"ScoreMod\(<lambda>\) must return a score of the shape it was given, "
         r"\(2, 6, 4, 4\), got \(2, 6, 4\)"),
+    "ScoreMod dtype": (lambda: F.attention(*qkv(4, 4), pattern=ScoreMod(
+        lambda s, b, h, q, kv: s.float())),
+        r"ScoreMod\(<lambda>\) must return a score of the dtype it was given, torch.float64, "
+        r"got torch.float32"),
+    "ScoreMod in place": (lambda: F.attention(*qkv(4, 4), pattern=ScoreMod(
+        lambda s, b, h, q, kv: s.div_(2).tanh_().mul_(2))),
+        r"ScoreMod\(<lambda>\) writes into its score in a way autograd cannot differentiate"),
     "ScoreMod not callable": (lambda: ScoreMod("tanh"), r"ScoreMod takes a function "
                                                         r"score_mod\(score, b, h, q_idx, kv_idx\)"),
     "Mask unknown name": (lambda: Mask("σ ≤ t"), r"unknown name 't' in the mask: the indices "
@@ -253,6 +260,9 @@ ERRORS = {
                             r"  τ − σ < 2.5\n          \^"),
     "Mask parameter": (lambda: Mask("τ − σ < w", w=2.5),
                        r"Mask parameter w must be an int \(positions are integers\), got 2.5"),
+    "Mask parameter named n": (lambda: Mask("τ − σ < n ∧ σ ≤ τ", n=3),
+                               r"Mask parameter n is named as an index or a word of the "
+                               r"predicate \(n, μ, τ, σ, and, or, not\)"),
     "Mask no comparison": (lambda: Mask("τ − σ"), r"expected a comparison \(<, ≤, =, ≠, ≥, >\) "
                                                   r"here\n  τ − σ\n       \^"),
     "Mask trailing": (lambda: Mask("σ ≤ τ τ"), r"expected ∧, ∨ or the end of the mask here"),

@@ -1,6 +1,7 @@
 """einattn.StaticKVCache: one shape for every decoding step, so that a compiled step is
-compiled once; checked against the layer's causal forward over the whole sequence, in
-float64, eager and compiled, on every impl with grouped-query attention and RoPE."""
+compiled once; checked against the layer's forward over the whole sequence (causal, and
+every piece defined by positions), in float64, eager and compiled, on every impl with
+grouped-query attention and RoPE."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from einattn import EinattnError, MultiHeadAttention, StaticKVCache
+from einattn import EinattnError, MultiHeadAttention, StaticKVCache, patterns
 from tests.conftest import TOL, assert_close_scaled, here, randn
 
 F64 = torch.float64
@@ -41,6 +42,43 @@ def test_decoding_equals_one_causal_forward_and_compiles_once_per_shape(impl, co
     assert_close_scaled(decode(step, x, cache), layer(x), TOL[F64])
     assert len(cache) == L and cache.K.shape == (N, G, 11, 4)
     assert counter.frame_count == (2 if compiled else 0)
+
+
+RELATIVE = randn(H, 21, seed=14)  # a relative-position bias b[μ, τ − σ + 10]
+PIECES = {  # the layer's options: every piece defined by positions alone
+    "window": dict(causal=True, window=3),
+    "softcap": dict(causal=True, softcap=2.0),
+    "alibi": dict(causal=True, alibi=True),
+    "sinks": dict(causal=True, sinks=True),
+    "Mask": dict(pattern=patterns.Mask("σ ≤ τ ∧ τ − σ < w", w=4)),
+    "MaskMod": dict(pattern=patterns.MaskMod(lambda b, h, q, kv: (kv <= q) & ((q - kv) % 3
+                                                                            != 1))),
+    "ScoreMod": dict(causal=True, pattern=patterns.ScoreMod(
+        lambda s, b, h, q, kv: s + RELATIVE[h, q - kv + 10])),
+    "PrefixLM": dict(pattern=patterns.PrefixLM(3)),  # the prompt's 3 tokens see each other
+    "ChunkedLocal": dict(pattern=patterns.ChunkedLocal(3)),
+}
+
+
+@pytest.mark.parametrize("impl", ["einsum", "sdpa", "chunked"])
+@pytest.mark.parametrize("piece", list(PIECES))
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_every_piece_of_positions_decodes_as_one_forward(compiled, piece, impl):
+    """The pieces read the cache's positions f + τ, f a 0-d tensor: decoding equals the
+    layer's forward over the whole sequence, and compiled it is still one graph for the
+    prompt and one for every later step (old code: "a StaticKVCache takes causal and
+    key_padding_mask; ... needs KVCache")."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(D, H, d_head=4, n_kv_heads=G, rope="half", impl=impl,
+                               dtype=F64, block_size=3, **PIECES[piece]).eval()
+    x, counter = randn(N, L, D, seed=1), CompileCounter()
+    step = torch.compile(layer, backend=counter, fullgraph=True, dynamic=False) \
+        if compiled else layer
+    with torch.no_grad():
+        assert_close_scaled(decode(step, x, StaticKVCache(max_length=11)), layer(x), TOL[F64])
+    assert counter.frame_count == (2 if compiled else 0)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -96,10 +134,8 @@ ERRORS = {
                   r"positions="),
     "mask": (lambda: decoder("einsum")(randn(N, 3, D, seed=8), cache=StaticKVCache(8),
                                        mask=torch.ones(3, 3, dtype=torch.bool)),
-             r"a StaticKVCache takes causal and key_padding_mask; a mask or an attention "
-             r"pattern"),
-    "pattern": (lambda: MultiHeadAttention(D, H, d_head=4, window=2, dtype=F64)(
-        randn(N, 3, D, seed=9), cache=StaticKVCache(8)), r"needs KVCache"),
+             r"a StaticKVCache takes key_padding_mask and the pieces of a pattern \(read at "
+             r"the positions it has filled\); a mask needs KVCache"),
     "documents": (lambda: decoder("einsum")(randn(N, 3, D, seed=10), cache=StaticKVCache(8),
                                             document_ids=torch.zeros(N, 3, dtype=torch.long)),
                   r"a StaticKVCache keeps no document_ids; use KVCache"),

@@ -40,7 +40,8 @@ def stages(Q, K, V, M, pattern, dropout: float, scratch: bool) -> dict[str, torc
     if pattern.sinks is not None:
         A = _softmax.with_sink(logits, M, pattern.sinks)
     else:
-        A = _softmax.masked(logits, M, no_dead_row, scratch=scratch)
+        A = _softmax.masked(logits, M, no_dead_row, scratch=scratch,
+                            logits_mask=pattern.scores_mask)
     A = A.to(V.dtype) if half else A
     if dropout:
         A = torch.nn.functional.dropout(A, p=dropout)

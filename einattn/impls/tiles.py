@@ -301,7 +301,7 @@ def _split_forward(Q, K, V, mask, pattern, block_size: int, reach):
     blocks = _F.pad(S, (0, short), value=-_INF) if short else S
     lse_b.insert(0, torch.logsumexp(torch.unflatten(blocks, -1, (-1, block_size)), dim=-1))
     lse = torch.logsumexp(torch.cat(lse_b, dim=3) if len(lse_b) > 1 else lse_b[0], dim=-1)
-    dead = mask is not None or partial  # where no row can lack a key, lse is finite
+    dead = mask is not None or partial or pattern.scores_mask  # else lse is finite
     A = _exp(S, (for_backward(lse) if dead else lse)[..., None], dead)  # 0 in a dead row
     return weighted_values(A, V[:, :, s0:s1]).to(out_dtype), lse
 
