@@ -101,7 +101,8 @@ class Pattern:
     def additive(self) -> bool:
         """Whether every score term is a bias added to S (no cap) and there is no sink:
         then the pattern is a mask and a bias, which SDPA takes as its float mask."""
-        return self.sinks is None and (not self.scores  # asked per call: no generator then
+        # len(): dynamo traces it (not `not`); `or` spares a call with no score term a generator
+        return self.sinks is None and (len(self.scores) == 0
                                        or all(piece.additive for piece in self.scores))
 
     @property
@@ -142,7 +143,7 @@ class Pattern:
 
     def grid(self) -> Grid | None:
         """The local index grid the pieces read, or None where there is no piece."""
-        if not (self.masks or self.scores):
+        if len(self.masks) + len(self.scores) == 0:  # len: dynamo traces it
             return None
         f = self.frame
         return grid(f.n, f.n_heads, f.L_q, f.L_k, f.device)
