@@ -136,11 +136,10 @@ class KVCache:
         store[1].narrow(2, before, L - before).copy_(V)
         return store[0].narrow(2, 0, L), store[1].narrow(2, 0, L)
 
-    def check_call(self, L: int, *, mask=None, pattern: bool = False, positions=None,
-                   document_ids=None) -> None:
+    def check_call(self, L: int, *, mask=None, positions=None, document_ids=None) -> None:
         """Refuse, before anything is written, a call of ``L`` tokens this cache cannot
         take: more positions than ``max_length`` holds, or ``document_ids`` on some calls
-        only. (A mask, a pattern and positions it takes as they are.)"""
+        only. (A mask and positions it takes as they are, and every piece of a pattern.)"""
         if self.max_length is not None and len(self) + L > self.max_length:
             raise EinattnError(f"the cache holds at most max_length={self.max_length} positions, "
                                f"but {len(self)} cached and {L} new make {len(self) + L}")

@@ -117,7 +117,7 @@ def multi_head(x: torch.Tensor, w: dict, spec: Spec, call: Call, attend=_attend)
     ids = call.document_ids if cache is None else None  # a cache's: every cached key's
     joined = call_pieces(spec, call, w["alibi"], w["sinks"], ids)
     if cache is not None:  # every check that can be made before the cache is touched
-        _check_cached_call(cache, Q, V, w, spec, call, len(joined) > bool(call.causal))
+        _check_cached_call(cache, Q, V, w, spec, call)
     Q, K = _turned(x, Q, K, w, spec, call)
     seen = call.need_weights or call.return_intermediates
     if cache is None:
@@ -214,10 +214,10 @@ def check_cache(cache, context) -> None:
                            "context")
 
 
-def _check_cached_call(cache, Q, V, w: dict, spec: Spec, call: Call, pattern: bool) -> None:
+def _check_cached_call(cache, Q, V, w: dict, spec: Spec, call: Call) -> None:
     """What a call with a cache is refused for, checked before the cache is touched: what the
     cache does not take, and the output weights of equation (5)."""
-    cache.check_call(Q.shape[2], mask=call.mask, pattern=pattern, positions=call.positions,
+    cache.check_call(Q.shape[2], mask=call.mask, positions=call.positions,
                      document_ids=call.document_ids)
     W_O = w["W_O"]
     if not torch.compiler.is_compiling():  # Z[n μ τ b]: Q's heads, V's width (differential:

@@ -84,12 +84,11 @@ class StaticKVCache:
         self.V.masked_fill_(unfilled[:, None], 0)
         self.padding.masked_fill_(unfilled, True)
 
-    def check_call(self, L: int, *, mask=None, pattern: bool = False, positions=None,
-                   document_ids=None) -> None:
+    def check_call(self, L: int, *, mask=None, positions=None, document_ids=None) -> None:
         """Refuse, before anything is written, a call of ``L`` tokens this cache cannot
         take: ``document_ids``, ``positions``, a ``mask``, or more positions than
         ``max_length`` holds (the count filled is read where it can be: not inside a
-        compiled region). Every ``pattern`` is taken (the pieces read its positions)."""
+        compiled region). Every piece of a pattern is taken (the pieces read its positions)."""
         if document_ids is not None:
             raise EinattnError("a StaticKVCache keeps no document_ids; use KVCache")
         if positions is not None:
