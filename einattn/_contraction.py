@@ -190,6 +190,17 @@ class Contraction(Sizes):
         self._check_dtypes(arguments, failed=True)  # or if a dtype is
         raise failure
 
+    def planned(self, **arguments: Any) -> Callable[..., torch.Tensor]:
+        """What a call with arguments of these shapes runs, planned (and its sizes checked)
+        once: it takes the operands positionally, in :attr:`operands` order, and runs the
+        same torch operations as the call, without looking its plan up again (a decoding
+        step's plan keeps it: :mod:`einattn._decode`). Equations with deltas are planned by
+        their calls only."""
+        if self._deltas:
+            raise EinattnError(f"{self.text}: an equation with deltas is planned per call")
+        plan = self._plans.get(signature(arguments))
+        return (self._plan(arguments) if plan is None else plan).call
+
     def _traced(self, arguments: dict[str, Any]) -> torch.Tensor:
         """The call as ``torch.compile`` traces it: no plan cache and no planner (Python that
         dynamo cannot follow), one ``torch.einsum`` that Inductor lowers itself. Sizes are

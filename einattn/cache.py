@@ -9,9 +9,6 @@ bottom-right, as :func:`einattn.masks.causal_mask` aligns it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 from ._checks import check_max_length
@@ -61,15 +58,9 @@ class KVCache:
         limit = "" if self.max_length is None else f", max_length={self.max_length}"
         return f"KVCache(length={len(self)}{limit}, K[n g σ a]={shape})"
 
-    @contextmanager
-    def undo_on_error(self) -> Iterator[None]:
+    def undo_on_error(self) -> _Undo:
         """Put the cache back as it was if the block raises: a call that fails adds nothing."""
-        saved = self.K, self.V, self.padding, self.document_ids, self._storage
-        try:
-            yield
-        except BaseException:
-            self.K, self.V, self.padding, self.document_ids, self._storage = saved
-            raise
+        return _Undo(self)
 
     def placed(self, positions, L: int, device) -> tuple[torch.Tensor | None, int]:
         """RoPE's positions of a call's tokens: as given, else after the cached ones."""
@@ -123,8 +114,8 @@ class KVCache:
             self._storage = None  # autograd saved the earlier steps' tensors: none is written
             return (K, V) if self.K is None else (torch.cat([self.K, K], dim=2),
                                                   torch.cat([self.V, V], dim=2))
-        store = self._storage
-        if store is None or store[0].shape[2] < L or not _fit(store, K, V):
+        store = self._storage  # with keys cached, they lie in it and K, V fit them (_check)
+        if store is None or store[0].shape[2] < L or (not before and not _fit(store, K, V)):
             capacity = self.max_length or L + max(L // 4, HEADROOM)
             store = tuple(t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in (K, V))
             if before:  # the cached part, copied once into the larger storage
@@ -183,6 +174,26 @@ class KVCache:
             if K.dtype != self.K.dtype or K.device != self.K.device:
                 raise EinattnError(f"new keys are {K.dtype} on {K.device} but the cache holds "
                                    f"{self.K.dtype} on {self.K.device}")
+
+
+class _Undo:
+    """:meth:`KVCache.undo_on_error`'s block: a class, not a generator's context manager,
+    whose enter and exit are twice the Python calls (a decoding step's cost)."""
+
+    __slots__ = ("cache", "saved")
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.saved = cache.K, cache.V, cache.padding, cache.document_ids, cache._storage
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None:
+            c = self.cache
+            c.K, c.V, c.padding, c.document_ids, c._storage = self.saved
+        return False  # what was raised goes on
 
 
 def check_new(K: torch.Tensor, V: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:

@@ -115,15 +115,25 @@ def project_qkv(x: torch.Tensor, W: torch.Tensor, *, n_heads: int,
     g, r, a, d_value = head_widths(W, n_heads, n_kv_heads, d_value)
     if d_value != a:
         return _project_wide(x, W, b, context, g, (r * a, a, d_value))
-    b3 = None if b is None else _open_bias(b, g, r + 2, W.shape[0] // (g * (r + 2)))
     if context is None:  # W as it lies: the matmul reads W[(g C a) i] as an nn.Linear weight
         P = PROJECT(X=x, W=W, μ=g, B=3) if r == 1 else PROJECT_GQA(X=x, W=W, g=g, C=r + 2)
-        return _slots(P if b3 is None else P + b3, r, 1, 1)
+        return split_fused(P, b, g, r)
+    b3 = None if b is None else _open_bias(b, g, r + 2, W.shape[0] // (g * (r + 2)))
     _cross.check_same_width(x, context)
     W4 = _opened(W, g, r)  # W[g C a i], to take Q's rows apart from K's, V's
     (Q,) = _slots(_project(x, W4[:, :r], None if b3 is None else b3[:, :r], r > 1), r)
     K, V = _slots(_project(context, W4[:, r:], None if b3 is None else b3[:, r:], r > 1), 1, 1)
     return Q, K, V
+
+
+def split_fused(P: torch.Tensor, b: torch.Tensor | None, g: int,
+                r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Equation (1)'s ``P[n τ g C a]`` (``+ b[(g C a)]``) as ``Q[n (g r) τ a]``,
+    ``K[n g σ a]`` and ``V[n g σ a]``: the slots C of each group, its r queries, its key,
+    its value."""
+    if b is not None:
+        P = P + _open_bias(b, g, r + 2, P.shape[-1])
+    return _slots(P, r, 1, 1)
 
 
 def _project_wide(x, W, b, context, g: int, widths: tuple[int, int, int]):
@@ -289,7 +299,12 @@ def combine_heads(Z: torch.Tensor, W_O: torch.Tensor,
     >>> combine_heads(torch.ones(1, 2, 1, 3), torch.ones(2, 3, 4)).shape
     torch.Size([1, 1, 4])
     """
-    Y = HEADS(Z=Z, W_O=W_O)
+    return output_bias(HEADS(Z=Z, W_O=W_O), b_O, W_O)
+
+
+def output_bias(Y: torch.Tensor, b_O: torch.Tensor | None, W_O: torch.Tensor) -> torch.Tensor:
+    """``Y[n τ i] + b_O[i]`` (``Y`` itself without a bias), ``b_O`` checked to fit the ``i``
+    of ``W_O[μ a i]``; under autocast added in its dtype, as ``nn.Linear``'s bias is."""
     check_b_O(b_O, W_O)
     return Y if b_O is None else Y + _in_autocast_dtype(b_O)
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import _layer_weights, _torch_mha, composition, layouts, rotary
+from . import _decode, _layer_weights, _torch_mha, composition, layouts, rotary
 from ._checks import check_factory, check_positive_int, refuse_is_causal
 from .cache import KVCache
 from .differential import Differential, check_heads
@@ -219,6 +219,13 @@ class MultiHeadAttention(nn.Module):
         """
         refuse_is_causal(is_causal)
         spec = self._call_spec(impl)
+        if cache is not None and context is None and value_context is None and mask is None \
+                and positions is None and document_ids is None and pattern is None \
+                and not (need_weights or return_intermediates) and self.batch_first:
+            y = _decode.step(self, x, spec, cache, key_padding_mask,
+                             spec.causal if causal is None else causal)
+            if y is not None:  # else no plan covers the call (_decode says which)
+                return y
         w = self._attention_weights()
         self._check_input("x", x, w["W"])
         if self.d_context is not None:
