@@ -63,12 +63,15 @@ class Plan:
         with cache.undo_on_error():  # a call that raises adds nothing to the cache
             K, V, padding = cache.append(K, V, key_padding_mask)
             if self.direct and padding is None:  # (2)–(4) as impl="sdpa" runs them here
-                Z = F.scaled_dot_product_attention(composition.scaled(Q, spec.scale), K, V,
-                                                   None, 0.0, False, enable_gqa=self.r != 1)
+                if spec.scale is not None:
+                    Q = composition.scaled(Q, spec.scale)
+                Z = F.scaled_dot_product_attention(Q, K, V, None, 0.0, False,
+                                                   enable_gqa=self.r != 1)
             else:
                 Z = composition.attention(Q, K, V, spec, None, padding, self.pieces,
                                           False)["Z"]
-            return equations.output_bias(self.heads(Z, W_O), b_O, W_O)
+            Y = self.heads(Z, W_O)
+            return Y if b_O is None else equations.output_bias(Y, b_O, W_O)
 
 
 def step(layer, x: torch.Tensor, spec: Spec, cache, key_padding_mask, causal: bool):

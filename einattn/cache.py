@@ -94,10 +94,14 @@ class KVCache:
         (True = padding); return everything cached: ``(K, V, padding over all σ)``. The
         documents of packed sequences, ``d[n σ]``, are kept as :attr:`document_ids`: a
         cache that has them needs them on every call."""
-        self._check(K, V, key_padding_mask)
+        check_new(K, V, key_padding_mask)
+        held = self.K
+        if held is not None and not _fit(held, self.V, K, V):
+            self._refuse_unlike(K, V)
         self.check_call(K.shape[2], document_ids=document_ids)
-        before = len(self)
-        self._append_ids(document_ids, K)
+        before = 0 if held is None else held.shape[2]
+        if document_ids is not None:
+            self._append_ids(document_ids, K)
         self.K, self.V = self._stored(K, V, before)
         if self.padding is not None or key_padding_mask is not None:
             n, L = K.shape[0], K.shape[2]
@@ -115,7 +119,7 @@ class KVCache:
             return (K, V) if self.K is None else (torch.cat([self.K, K], dim=2),
                                                   torch.cat([self.V, V], dim=2))
         store = self._storage  # with keys cached, they lie in it and K, V fit them (_check)
-        if store is None or store[0].shape[2] < L or (not before and not _fit(store, K, V)):
+        if store is None or store[0].shape[2] < L or (not before and not _fit(*store, K, V)):
             capacity = self.max_length or L + max(L // 4, HEADROOM)
             store = tuple(t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in (K, V))
             if before:  # the cached part, copied once into the larger storage
@@ -146,9 +150,7 @@ class KVCache:
             return (), None
         return (Documents(self.document_ids),), None
 
-    def _append_ids(self, ids: torch.Tensor | None, K: torch.Tensor) -> None:
-        if ids is None:
-            return
+    def _append_ids(self, ids: torch.Tensor, K: torch.Tensor) -> None:
         n, L = K.shape[0], K.shape[2]
         if not isinstance(ids, torch.Tensor) or ids.shape != (n, L):
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
@@ -157,23 +159,20 @@ class KVCache:
         self.document_ids = ids if self.document_ids is None \
             else torch.cat([self.document_ids, ids], dim=1)
 
-    def _check(self, K: torch.Tensor, V: torch.Tensor,
-               key_padding_mask: torch.Tensor | None) -> None:
-        check_new(K, V, key_padding_mask)
-        if self.K is not None and not (_fits(self.K, K) and _fits(self.V, V)):
-            for index, axis, name, new, old in (("n", 0, "keys", K, self.K),
-                                                ("g", 1, "keys", K, self.K),
-                                                ("a", 3, "keys", K, self.K),
-                                                ("b", 3, "values", V, self.V)):
-                if new.shape[axis] != old.shape[axis]:
-                    held = "K[n g σ a]" if name == "keys" else "V[n g σ b]"
-                    raise EinattnError(
-                        f"index {index!r} has size {new.shape[axis]} in the new {name} but "
-                        f"{old.shape[axis]} in the cache's {held}; call cache.reset() to "
-                        f"start another sequence")
-            if K.dtype != self.K.dtype or K.device != self.K.device:
-                raise EinattnError(f"new keys are {K.dtype} on {K.device} but the cache holds "
-                                   f"{self.K.dtype} on {self.K.device}")
+    def _refuse_unlike(self, K: torch.Tensor, V: torch.Tensor) -> None:
+        """Say which size, dtype or device of the new keys and values is not the cache's."""
+        for index, axis, name, new, old in (("n", 0, "keys", K, self.K),
+                                            ("g", 1, "keys", K, self.K),
+                                            ("a", 3, "keys", K, self.K),
+                                            ("b", 3, "values", V, self.V)):
+            if new.shape[axis] != old.shape[axis]:
+                held = "K[n g σ a]" if name == "keys" else "V[n g σ b]"
+                raise EinattnError(
+                    f"index {index!r} has size {new.shape[axis]} in the new {name} but "
+                    f"{old.shape[axis]} in the cache's {held}; call cache.reset() to "
+                    f"start another sequence")
+        raise EinattnError(f"new keys are {K.dtype} on {K.device} but the cache holds "
+                           f"{self.K.dtype} on {self.K.device}")
 
 
 class _Undo:
@@ -199,10 +198,12 @@ class _Undo:
 def check_new(K: torch.Tensor, V: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:
     """A call's new keys ``[n g σ a]`` and values ``[n g σ b]``, alike but for their width,
     and its key padding ``(n, σ)``."""
-    for name, t in (("K", K), ("V", V)):
-        if not isinstance(t, torch.Tensor) or t.ndim != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise EinattnError(f"the new {name}[n g σ a] must be a 4-D tensor, got {shape}")
+    if not (isinstance(K, torch.Tensor) and isinstance(V, torch.Tensor)
+            and K.ndim == 4 and V.ndim == 4):  # one test where all is well (a decoding step)
+        for name, t in (("K", K), ("V", V)):
+            if not isinstance(t, torch.Tensor) or t.ndim != 4:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise EinattnError(f"the new {name}[n g σ a] must be a 4-D tensor, got {shape}")
     if V.shape[:3] != K.shape[:3] or V.dtype != K.dtype or V.device != K.device:
         raise EinattnError(f"every new key K[n g σ a] needs its value V[n g σ b]: K is "
                            f"{tuple(K.shape)} {K.dtype} on {K.device} but V is "
@@ -216,16 +217,14 @@ def check_new(K: torch.Tensor, V: torch.Tensor, key_padding_mask: torch.Tensor |
             f"{tuple(key_padding_mask.shape)}")
 
 
-def _fits(storage: torch.Tensor, K: torch.Tensor) -> bool:
-    """Whether storage kept from before holds keys like ``K`` (batch, heads, width, dtype,
-    device): a cache reset for a sequence of another batch makes new storage."""
-    return (storage.shape[:2] == K.shape[:2] and storage.shape[3] == K.shape[3]
-            and storage.dtype == K.dtype and storage.device == K.device)
-
-
-def _fit(storage: tuple, K: torch.Tensor, V: torch.Tensor) -> bool:
-    """Whether both storages kept from before hold keys like ``K`` and values like ``V``."""
-    return _fits(storage[0], K) and _fits(storage[1], V)
+def _fit(K_old: torch.Tensor, V_old: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> bool:
+    """Whether keys and values kept from before (cached, or their storage) are like the new
+    ``K`` and ``V``: batch, heads, widths, dtype, device (a cache reset for a sequence of
+    another batch makes new storage). Each pair is alike but for its width (``check_new``;
+    the cache takes none other), so the values' width is all V adds."""
+    return (K_old.shape[:2] == K.shape[:2] and K_old.shape[3] == K.shape[3]
+            and V_old.shape[3] == V.shape[3] and K_old.dtype == K.dtype
+            and K_old.device == K.device)
 
 
 def _no_padding(n: int, L: int, like: torch.Tensor) -> torch.Tensor:

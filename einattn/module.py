@@ -217,7 +217,8 @@ class MultiHeadAttention(nn.Module):
         pieces of :mod:`einattn.patterns` for this call, joined to the layer's own.
         ``is_causal`` (PyTorch's name) is refused: einattn's is ``causal``.
         """
-        refuse_is_causal(is_causal)
+        if is_causal is not None:
+            refuse_is_causal(is_causal)
         spec = self._call_spec(impl)
         if cache is not None and context is None and value_context is None and mask is None \
                 and positions is None and document_ids is None and pattern is None \
