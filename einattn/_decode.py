@@ -16,7 +16,7 @@ mode, ``torch.compile`` or a ``torch.func`` transform, dropout, ALiBi or sinks, 
 are not plain parameters, and the options of today's models (qk-norm, a temperature,
 differential heads, a gate, ``bias_kv``, ``zero_attn``, ``d_value``, ``d_context``).
 
-Measured (docs/performance.md, "The small-call cost"): the decoding step of
+Measured in docs/performance.md ("How the fast paths are fast"): the decoding step of
 ``MultiHeadAttention(512, 8, impl="sdpa")`` at context 512.
 """
 
