@@ -7,8 +7,17 @@ auto in interleaved rounds by process CPU time on one thread, checks that auto's
 impl's measured in the same run (issue 38: never above 1.1×). A script, not a test: it
 prints a Markdown table (docs/performance.md has one), it asserts nothing.
 
-    python benchmarks/auto.py [--lengths 5,512,4096] [--rounds 7] [--patterns dense,causal]
-                              [--impls einsum,sdpa,chunked,flex]
+    python benchmarks/auto.py [--lengths 5,512,4096] [--rounds 15,15,5]
+                              [--patterns dense,causal] [--impls einsum,sdpa,chunked,flex]
+                              [--sample-s 0.1]
+
+``--rounds``: one number for every length, or one per length of ``--lengths``.
+
+A sample lasts at least ``--sample-s`` seconds of calls: with 0.02 s (one or two calls at L =
+512), auto, timed right after chunked in most rounds (einsum after auto, sdpa after einsum),
+measured 1.21–1.26× the einsum code it ran in the trained cap's cell at 512 (two runs; sdpa,
+the same code there, 0.99–1.05× einsum), as if the first call after another impl paid for it;
+with 0.1 s, 1.03–1.04× (two runs).
 """
 
 from __future__ import annotations
@@ -117,18 +126,25 @@ def main() -> None:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--patterns", default=",".join(PATTERNS))
     parser.add_argument("--impls", default=",".join(IMPLS))
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", default="15,15,5")
+    parser.add_argument("--sample-s", type=float, default=0.1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     impls = tuple(args.impls.split(","))
-    settings = replace(Settings(), rounds=args.rounds, warmup=1, sample_s=0.02, clock="cpu")
+    lengths = tuple(map(int, args.lengths.split(",")))
+    rounds = tuple(map(int, args.rounds.split(",")))
+    if len(rounds) not in (1, len(lengths)):
+        parser.error(f"--rounds {args.rounds}: one number, or one per length of {lengths}")
+    rounds = rounds * len(lengths) if len(rounds) == 1 else rounds
+    settings = replace(Settings(), warmup=1, sample_s=args.sample_s, clock="cpu")
     print(f"| pattern | L | mode | {' | '.join(impls)} (ms) | auto picks | fastest | "
           f"auto / fastest | equal |")
     print("|---|---|---|" + "---|" * len(impls) + "---|---|---|---|")
-    for L in map(int, args.lengths.split(",")):
+    for L, n_rounds in zip(lengths, rounds, strict=True):
         for pattern in args.patterns.split(","):
             for mode in MODES:
-                print(_row(cell(pattern, L, mode, settings, impls), impls), flush=True)
+                row = cell(pattern, L, mode, replace(settings, rounds=n_rounds), impls)
+                print(_row(row, impls), flush=True)
 
 
 if __name__ == "__main__":

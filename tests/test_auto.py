@@ -15,7 +15,7 @@ from einattn import functional as F
 from einattn.impls import auto
 
 F64 = torch.float64
-LENGTHS = (5, 96, 1024)  # small (≤ auto.SMALL scores), mid, long (≥ auto.LONG)
+LENGTHS = (5, 96, 1024)  # small (≤ auto.SMALL scores), mid, long (≥ auto.TILED)
 
 
 def _pattern(name: str, L: int) -> dict:
@@ -67,8 +67,13 @@ def test_auto_is_the_impl_it_picks_bit_for_bit(pattern, L, grad):
 @pytest.mark.parametrize("pattern, L, grad, impl", [
     ("dense", 5, True, "sdpa"), ("softcap", 5, False, "einsum"),
     ("causal", 1024, True, "sdpa"), ("dense", 1024, False, "sdpa"),
-    ("window", 1024, True, "chunked"), ("documents", 1024, True, "chunked"),
-    ("softcap", 1024, True, "chunked"), ("sinks", 96, False, "chunked"),
+    ("window", 384, False, "sdpa"), ("window", 448, False, "chunked"),
+    ("window", 1024, False, "chunked"), ("window", 1024, True, "chunked"),
+    ("documents", 384, True, "sdpa"), ("documents", 1024, True, "chunked"),
+    ("softcap", 256, False, "einsum"), ("softcap", 320, False, "chunked"),
+    ("softcap", 512, True, "einsum"), ("softcap", 1024, True, "chunked"),
+    ("sinks", 96, False, "einsum"), ("sinks", 128, False, "chunked"),
+    ("sinks", 128, True, "einsum"), ("sinks", 192, True, "chunked"),
 ])
 def test_the_rules_pick_as_measured(pattern, L, grad, impl):
     """A few cells of docs/performance.md's table, as RULES decides them."""
@@ -110,12 +115,15 @@ def test_the_layer_runs_auto_as_the_impl_it_picks():
     assert layer.impl == "auto" and "impl='auto'" in repr(layer)
 
 
-def test_a_long_window_forward_runs_flex_bit_for_bit():
-    """Float32, no_grad, a window over 512 × 512: compiled FlexAttention (MID on)."""
-    g = torch.Generator().manual_seed(5)
-    Q, K, V = (torch.randn(1, 2, 512, 16, generator=g) for _ in range(3))
-    with torch.no_grad():
-        assert F.explain(Q, K, V, causal=True, window=64).impl == "flex"
-        Z = F.attention(Q, K, V, causal=True, window=64, impl="auto")
-        assert torch.equal(Z, F.attention(Q, K, V, causal=True, window=64, impl="flex"))
-    assert F.explain(Q.requires_grad_(), K, V, causal=True, window=64).impl == "sdpa"
+def test_flex_is_picked_off_the_cpu_alone():
+    """A forward window or cap from TILED scores: chunked on the CPU (measured ahead of
+    compiled FlexAttention), flex off it (a meta tensor stands for a GPU's); not with
+    gradients, nor in float64 (FlexAttention compiles no float64 kernel)."""
+    for device, impl in (("cpu", "chunked"), ("meta", "flex")):
+        Q = torch.empty(1, 2, 512, 16, device=device)
+        with torch.no_grad():
+            assert F.explain(Q, Q, Q, causal=True, window=64).impl == impl
+            assert F.explain(Q, Q, Q, causal=True, softcap=30.0).impl == impl
+            assert F.explain(Q.double(), Q.double(), Q.double(), causal=True,
+                             window=64).impl == "chunked"
+        assert F.explain(Q.requires_grad_(), Q, Q, causal=True, window=64).impl == "chunked"

@@ -25,16 +25,32 @@ import torch
 
 LOG = logging.getLogger("einattn.auto")
 
+# The sizes below are in scores per head (L_q · L_k); the ratios beside them are medians of
+# benchmarks/auto.py (one thread, process CPU time, 2026-11-26, a shared machine), at L = 96–2048
+# between the grid's 5, 512 and 4096.
+#
 # At most this many scores per head (L_q · L_k), a call is small: its cost is the impl's
 # per-call Python, least on SDPA's one kernel (or the einsum path's few, where SDPA cannot
 # take the pattern).
 SMALL = 64 * 64
-# From this many, compiled FlexAttention's forward is ahead where a band or a cap lets it
-# (at L = 512: a causal window of 256, 0.89–0.99× SDPA's masked kernel; a causal cap of 30,
-# 0.67–0.69× the chunked tiles, 0.63–0.81× the equations).
-MID = 512 * 512
-# From this many, the chunked path's skipped tiles pay for its Python.
-LONG = 1024 * 1024
+# From this many, the chunked path's skipped tiles pay for its Python (a causal window of
+# 256 at L = 448: 0.81× SDPA's masked kernel forward, 0.95× trained; 8 packed documents:
+# 0.89×, 0.82×; at L = 384 SDPA leads the documents, 0.85× chunked, and ties the window).
+TILED = 400 * 400
+# Where SDPA cannot take the pattern (a sink or a cap), the chunked tiles lead the equations
+# (einsum) from this many scores, by (a sink?, gradients?); measured under the causal rule.
+TERMS_TILED = {
+    # a sink, forward: einsum leads at 96 (chunked 1.09×); chunked 0.93× at 128, 0.74× at 256
+    (True, False): 112 * 112,
+    # a sink, trained: einsum 0.78× chunked at 96, 0.89× at 128; ties at 160, 192; chunked
+    # 0.87× at 256, 0.57× at 512
+    (True, True): 160 * 160,
+    # a cap, forward: einsum 0.76–0.79× chunked at 128–192, 0.84× at 256; chunked 0.63× at 320
+    (False, False): 288 * 288,
+    # a cap, trained: einsum 0.82–0.84× chunked at 384–448, a tie at 512; chunked 0.93× at
+    # 768, 0.81× at 1024
+    (False, True): 640 * 640,
+}
 
 
 class Choice(NamedTuple):
@@ -97,10 +113,12 @@ class Call:
 
 
 def _flex_ahead(c: Call) -> bool:
-    """A forward FlexAttention runs and leads: a window or a cap, from MID scores on (packed
-    documents: SDPA's masked kernel leads at 512, the chunked tiles at 4096; a sink: the
-    chunked tiles, or a tie)."""
-    if c.sink or c.scores < MID or c.grad or not c.flex_runs:  # grad: measured on no GPU
+    """Off the CPU, a forward FlexAttention runs a window or a cap from TILED scores: its one
+    compiled kernel, where the chunked path loops over tiles (not measured: no GPU here; with
+    gradients neither). On the CPU the chunked tiles lead it (L = 512, 4096 forward: a window
+    0.60×, a cap 0.67–0.81×, a sink 0.54–0.58×, packed documents 0.27–0.37×), and at L = 5
+    SDPA or the equations do, so it is never picked there."""
+    if c.Q.device.type == "cpu" or c.sink or c.grad or c.scores < TILED or not c.flex_runs:
         return False
     return c.band or not c.sdpa_takes
 
@@ -110,11 +128,10 @@ TESTS = {
     "small, SDPA takes it": lambda c: c.scores <= SMALL and c.pattern.additive,  # sdpa_takes
     "small": lambda c: c.scores <= SMALL,
     "causal or no piece": lambda c: c.sdpa_takes and not c.skips,
-    "forward, FlexAttention ahead": _flex_ahead,
-    "long, tiles skipped": lambda c: c.scores >= LONG and c.skips,
+    "forward off the CPU, FlexAttention": _flex_ahead,
+    "a mask SDPA takes, from TILED": lambda c: c.scores >= TILED and c.sdpa_takes,  # skips
     "SDPA takes it": lambda c: c.sdpa_takes,
-    "a sink": lambda c: c.sink,
-    "a cap, gradients, below LONG": lambda c: c.grad and c.scores < LONG,
+    "a sink or a cap, from TERMS_TILED": lambda c: c.scores >= TERMS_TILED[c.sink, c.grad],
     "anything else": None,  # what no rule above took
 }
 
@@ -125,14 +142,15 @@ RULES = (
     ("small", "einsum", "a small call SDPA cannot take: the equations' few kernels"),
     ("causal or no piece", "sdpa",
      "SDPA's flash kernel takes the whole pattern (is_causal, or a mask of the call's own)"),
-    ("forward, FlexAttention ahead", "flex",
+    ("forward off the CPU, FlexAttention", "flex",
      "compiled FlexAttention skips the empty tiles and runs a cap in its kernel"),
-    ("long, tiles skipped", "chunked", "a mask leaves tiles empty: the chunked path skips them"),
-    ("SDPA takes it", "sdpa", "SDPA takes the whole pattern as its mask"),
-    ("a sink", "chunked", "a sink, which SDPA cannot take: one more term of the online softmax"),
-    ("a cap, gradients, below LONG", "einsum",
-     "a cap SDPA cannot take, trained at a mid size: the equations' few kernels"),
-    ("anything else", "chunked", "a cap SDPA cannot take: the chunked tiles"),
+    ("a mask SDPA takes, from TILED", "chunked",
+     "a mask leaves tiles empty: the chunked path skips them"),
+    ("SDPA takes it", "sdpa", "SDPA takes the whole pattern as its mask, below TILED"),
+    ("a sink or a cap, from TERMS_TILED", "chunked",
+     "a sink or a cap SDPA cannot take: one more term of the chunked tiles' online softmax"),
+    ("anything else", "einsum",
+     "a sink or a cap SDPA cannot take, below TERMS_TILED: the equations' few kernels"),
 )
 _CHOICES = tuple((TESTS[test], Choice(impl, f"{test}: {why}")) for test, impl, why in RULES)
 _TESTED, _OTHERWISE = _CHOICES[:-1], _CHOICES[-1][1]  # the last rule: anything else
