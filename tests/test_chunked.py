@@ -161,7 +161,8 @@ def test_grouped_query_keys_and_values_are_used_without_a_copy():
     Q, K, V = gqa_qkv(9, 11, g=2, r=3)
     made = largest_outputs(lambda: F.attention(
         Q, K, V, causal=True, impl="chunked", block_size=4).sum().backward())
-    assert not any(shape[1:3] == (6, 11) for shape in made)  # μ = 6 heads of σ = 11 keys
+    # no (n, μ = 6, σ = 11, ·): K or V repeated per query head (a tile's [(n μ) ...] may be)
+    assert not any(len(shape) == 4 and shape[1:3] == (6, 11) for shape in made)
     saved = saved_for_backward(lambda: F.attention(
         Q, K, V, causal=True, impl="chunked", block_size=4))
     pointers = {t.data_ptr() for t in saved}
@@ -462,13 +463,14 @@ def largest_outputs(f):
 def test_no_temporary_spans_every_query_of_a_key_block(causal):
     """Forward and backward create nothing larger than one tile of block_size queries ×
     SPAN · block_size keys per head (neighbouring tiles of a row run as one product), or
-    an O(L·a) tensor such as Z, dQ, dK, dV: never the L_q × block_size scores of all
+    an O(L·a) tensor such as Z, dQ, dK, dV, dZ⁺: never the L_q × block_size scores of all
     queries against one key block, nor a row of all keys."""
     L, b = 96, 8  # per head: a tile is 8 × 32 numbers, Z 480, L × b would be 768
     Q, K, V = qkv(L, L)
     made = largest_outputs(
         lambda: chunked.attention(Q, K, V, causal=causal, block_size=b).sum().backward())
-    assert torch.Size(made[0]).numel() == N * MU * L * A_V  # Z (and dV): O(L·a)
+    # Z, dV, and the backward's dZ⁺ = [dZ | −D] and v⁺ = [V | 1]: O(L·a)
+    assert torch.Size(made[0]).numel() == N * MU * L * (A_V + 1)
     assert not any(len(shape) >= 3 and (shape[-2:] == (L, b) or shape[-2:] == (b, L))
                    for shape in made)
     tiles = [s for s in made if len(s) >= 3 and s[-2] == b and s[-1] % b == 0]
