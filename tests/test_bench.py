@@ -17,6 +17,7 @@ import torch
 from conftest import TOL, assert_close_scaled
 
 from einattn import EinattnError, bench, cli, reference
+from einattn.cli import output
 
 TINY = "2,5,16,4"
 QUICK = ["bench", "--quick", "--no-compile", "--no-memory", "--sizes", TINY, "--repeats", "2"]
@@ -311,7 +312,8 @@ def test_quick_json_times_the_window_in_both_modes(quick):
     """The quick run's patterns section at its tiny size: every form but the compiled flex
     ones (--no-compile) in both modes, ratios of medians, each Z that of its pattern."""
     section = quick["patterns"]
-    assert set(section) == {"paths", "skipped", "timings", "setup", "memory"}
+    assert set(section) == {"paths", "skipped", "timings", "setup", "memory", "causal"}
+    assert section["causal"] == []  # timed at the memory lengths, none with --no-memory
     assert set(section["skipped"]) >= set(bench.FLEX_FORMS)
     assert section["skipped"]["flex"] == "--no-compile"
     assert section["memory"] == {"skipped": "--no-memory"}
@@ -599,6 +601,35 @@ def test_issue_38s_targets_read_their_rows():
                  f"{size.label} forward+backward"] == "FAIL"  # 1.3
     value = {(x.target, x.where): x.value for x in bench.targets(report)}
     assert value["window: chunked forward+backward ≤ 2.5× forward", size.label] == 0.6 / 0.19
+    long = bench.PatternSize(1, 4, 8192, 64, 256)
+    report.patterns.causal = [bench.PatternRow(long, "forward+backward", {
+        "chunked_causal": t((1.2,), 1), "sdpa_causal": t((1.0,), 1)})]
+    found = verdicts(report)
+    assert found["causal: chunked ≤ 1.25× SDPA is_causal",
+                 f"{long.label} forward+backward"] == "PASS"  # 1.2
+    assert found["causal: chunked ≤ 1.25× SDPA is_causal",
+                 f"{size.label} forward+backward"] == "FAIL"  # still read at 4096
+
+
+def test_long_causal_times_chunked_against_sdpa_and_reports_its_peak():
+    """Dense causal at a memory length: chunked and SDPA's flash kernel forward+backward, the
+    ratio of their medians, chunked's Z within float32 rounding of SDPA's; the text shows the
+    row with the peak growth the memory run measured at that length."""
+    size = bench.PatternSize(1, 2, 96, 8, 16)
+    settings = bench.Settings.build(quick=True, sections=("patterns",))
+    row = bench.time_long_causal(size, settings, {})
+    assert set(row.timings) == {"chunked_causal", "sdpa_causal"}
+    assert row.mode == "forward+backward" and positive(row.ratio("chunked_causal", "sdpa_causal"))
+    assert row.deviation["sdpa_causal"] == 0 and row.deviation["chunked_causal"] < 1e-5
+    report = bench.Report(settings)
+    report.patterns.ran, report.patterns.causal = True, [row]
+    report.patterns.memory = [bench.MemoryRow(96, {"chunked_causal": 5 * 2 ** 20}, {})]
+    text = "\n".join(bench.lines(report, output.table, output.Paint(False)))
+    line = next(x for x in text.splitlines()
+                if x.split()[:1] == ["96"] and "einattn chunked, no window" in x and "×" in x)
+    assert line.endswith("5 MiB")
+    skipped = bench.time_long_causal(size, settings, {"chunked_causal": "no chunked"})
+    assert set(skipped.timings) == {"sdpa_causal"}
 
 
 def test_a_form_left_out_is_noted_at_its_targets():

@@ -58,6 +58,7 @@ from .patterns import (
     pattern_skipped,
     pattern_step,
     run_patterns,
+    time_long_causal,
     time_patterns,
     window_mask,
 )
@@ -113,6 +114,7 @@ __all__ = [
     "measure_pattern_memory", "measure_roof", "memory_worker", "parse_pattern_size",
     "parse_size", "pattern_flops", "pattern_forms", "pattern_inputs", "pattern_memory_worker",
     "pattern_pairs", "pattern_skipped", "pattern_step", "rates", "run", "run_decoding",
-    "run_patterns", "step", "targets", "time_decoding", "time_interleaved", "time_patterns",
+    "run_patterns", "step", "targets", "time_decoding", "time_interleaved", "time_long_causal",
+    "time_patterns",
     "time_size", "unavailable", "window_mask", "with_impl",
 ]

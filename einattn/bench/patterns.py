@@ -21,6 +21,9 @@ and 8 packed documents of random lengths (``d[n τ] = d[n σ]``, block-diagonal,
     flex_documents     hand-written: ``torch.compile(flex_attention)`` with the mask_mod
                        ``d[q] == d[kv]`` and a ``create_block_mask`` made once
 
+and, at each memory length (L = 8192), dense causal attention forward+backward alone: chunked
+against SDPA's flash kernel (``chunked_causal``, ``sdpa_causal``; :func:`time_long_causal`).
+
 The dense masks and the hand-written BlockMask are made once, outside the timed calls, as a
 user caches them; what making them costs is reported apart (:class:`Setup`), with each
 compiled form's first call. FlexAttention's CPU kernels are forward only: the flex forms
@@ -73,6 +76,11 @@ FORWARD_ONLY = "FlexAttention's CPU kernels are forward only"
 PATTERN_MEMORY_FORMS = ("chunked", "chunked_causal", "sdpa_causal", "sdpa_dense", "chunked_mask")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Dense causal attention, chunked and SDPA's flash kernel: the window's forms without it, and
+# issue 38's forms at the memory lengths (:func:`time_long_causal`).
+CAUSAL_FORMS: dict[str, Attend] = {
+    "chunked_causal": partial(attention, causal=True, impl="chunked"),
+    "sdpa_causal": partial(F.scaled_dot_product_attention, is_causal=True)}
 
 
 def window_mask(L: int, window: int) -> torch.Tensor:
@@ -148,8 +156,7 @@ def pattern_forms(size: PatternSize, names: tuple[str, ...] = PATTERN_FORMS) \
                                         impl="chunked"),
              "chunked_mask": partial(attention, pattern=Mask("σ ≤ τ ∧ τ − σ < w", w=w),
                                      impl="chunked"),
-             "chunked_causal": partial(attention, causal=True, impl="chunked"),
-             "sdpa_causal": partial(F.scaled_dot_product_attention, is_causal=True),
+             **CAUSAL_FORMS,
              "einsum": partial(attention, causal=True, window=w, impl="einsum"),
              "flex": partial(attention, causal=True, window=w, impl="flex")}
     if "flex_compiled" in names:
@@ -270,6 +277,23 @@ def time_patterns(size: PatternSize, settings: Settings, skip: dict[str, str]) \
     return rows, Setup(size, setup)
 
 
+def time_long_causal(size: PatternSize, settings: Settings, skip: dict[str, str]) \
+        -> PatternRow:
+    """Dense causal attention forward+backward at ``size`` (a memory length): chunked against
+    SDPA's flash kernel in interleaved rounds, chunked's ``Z`` against SDPA's."""
+    forms = {name: form for name, form in CAUSAL_FORMS.items() if name not in skip}
+    Q, K, V, dZ = pattern_inputs(size)
+    with torch.no_grad():
+        outputs = {name: form(Q, K, V) for name, form in forms.items()}
+    reference = outputs.get("sdpa_causal")
+    deviation = {name: 0.0 if reference is None else relative_deviation(Z, reference)
+                 for name, Z in outputs.items()}
+    del outputs
+    steps = {name: pattern_step(form, "forward+backward", (Q, K, V), dZ)
+             for name, form in forms.items()}
+    return PatternRow(size, "forward+backward", time_interleaved(steps, settings), deviation)
+
+
 @dataclass
 class PatternSection:
     """What the patterns section measured: its rows, setup costs and peak memory, and the
@@ -279,6 +303,7 @@ class PatternSection:
     setup: list[Setup] = field(default_factory=list)
     memory: list[MemoryRow] = field(default_factory=list)
     forward_memory: list[MemoryRow] = field(default_factory=list)  # FORWARD_MEMORY_FORMS
+    causal: list[PatternRow] = field(default_factory=list)  # at the memory lengths
     skipped: dict[str, str] = field(default_factory=dict)
     ran: bool = False
 
@@ -288,6 +313,7 @@ class PatternSection:
         why = why_no_memory(settings)
         return {"paths": {name: PATTERN_NAMES[name] for name in PATTERN_FORMS + DOCUMENT_FORMS},
                 "skipped": self.skipped, "timings": [r.as_json() for r in self.rows],
+                "causal": [r.as_json() for r in self.causal],
                 "setup": [s.as_json() for s in self.setup],
                 "memory": ({"method": PATTERN_MEMORY_METHOD,
                             "rows": [_memory_json(m, settings) for m in self.memory],
@@ -320,6 +346,9 @@ def run_patterns(settings: Settings, say: Callable[[str], None]) -> PatternSecti
         section.rows += rows
         section.setup.append(setup)
     for L in settings.pattern_memory_lengths:
+        say(f"timing dense causal at L={L}")
+        section.causal.append(time_long_causal(replace(settings.pattern_sizes[0], L=L),
+                                               settings, section.skipped))
         say(f"memory of the window at L={L}")
         names = tuple(p for p in PATTERN_MEMORY_FORMS if p not in section.skipped)
         section.memory.append(measure_pattern_memory(settings.pattern_sizes[0], L, names))

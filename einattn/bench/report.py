@@ -93,7 +93,8 @@ class Report:
         """Rate every row of the layer, patterns and decoding sections against ``roof`` at
         this run's thread count (each row's ``peak``)."""
         self.roof = roof
-        for row in (*self.rows, *self.patterns.rows, *self.decoding.rows):
+        for row in (*self.rows, *self.patterns.rows, *self.patterns.causal,
+                    *self.decoding.rows):
             row.peak = rates(row, roof, self.threads)
 
 
@@ -308,7 +309,26 @@ def _patterns_text(report: Report, table, paint) -> list[str]:
               for line in _pattern_table(report, size, table, paint)),
             *([f"  forward+backward: no flex forms ({FORWARD_ONLY})"] if flex_timed else []),
             *(f"  skipped: {PATTERN_NAMES[name]}: {why}" for name, why in skipped.items()),
+            *_causal_table(report, table, paint),
             *_pattern_memory_table(report, table, paint)]
+
+
+def _causal_table(report: Report, table, paint) -> list[str]:
+    """Dense causal forward+backward at the memory lengths, with each form's peak growth
+    there (from the memory rows) beside."""
+    section = report.patterns
+    if not section.causal:
+        return []
+    peaks = {(m.L, name): growth for m in section.memory for name, growth in m.growth.items()}
+    cells = [[str(r.size.L), PATTERN_NAMES[name], _duration(t.median), _percent(t.spread),
+              _times(r.ratio(name, "sdpa_causal")), *rate_cells(r, name),
+              _deviation_text(r.deviation[name]),
+              _mib(peaks[r.size.L, name]) if (r.size.L, name) in peaks else "—"]
+             for r in section.causal for name, t in r.timings.items()]
+    return ["", "dense causal attention, forward+backward, at the memory lengths: chunked "
+                "against SDPA's flash kernel (is_causal); max |ΔZ| against SDPA's Z",
+            *table(["L", "form", "median", "spread", "× SDPA is_causal", "GFLOP/s", "of peak",
+                    "max |ΔZ|", "peak growth"], cells, paint, right=(2, 3, 4, 5, 6, 7, 8))]
 
 
 def _targets_table(report: Report, table, paint) -> list[str]:

@@ -153,7 +153,8 @@ def _ahead(report: Report, rows: list[Row], size) -> list[Target]:
                          training, skipped)
           for name, what in (("chunked", "window"), ("chunked_documents", "documents"))),
         *_against(report, "causal: chunked ≤ 1.25× SDPA is_causal", "chunked_causal",
-                  "sdpa_causal", 1.25, training, f"{size.label} {_TRAINING}", skipped),
+                  "sdpa_causal", 1.25, training + report.patterns.causal,
+                  f"{size.label} {_TRAINING}", skipped),
     ]
 
 
