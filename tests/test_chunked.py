@@ -358,6 +358,20 @@ def test_empty_sizes(n, L_q, L_k, causal):
     assert torch.equal(Z, torch.zeros_like(Z))
 
 
+@pytest.mark.parametrize("n, block_size", [(1, 3), (2, 3), (2, 256)])
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16], ids=str)
+def test_gradients_come_back_contiguous(n, block_size, dtype):
+    """dQ, dK, dV in the shapes of Q, K, V, contiguous: the tiles read Q's own memory where
+    they can (n = 1: a projection's Q is a view whose heads merge with n) and keep dK, dV as
+    ``[(n g) a σ]`` for tiles of 256 (a copy to float32 makes bfloat16's contiguous anyway)."""
+    Q, K, V = qkv(7, 9, n=n, dtype=dtype)
+    Z = chunked.attention(Q, K, V, causal=True, block_size=block_size)
+    for grad, T in zip(torch.autograd.grad(Z, (Q, K, V), torch.ones_like(Z)), (Q, K, V),
+                       strict=True):
+        assert grad.shape == T.shape and grad.dtype == dtype
+        assert grad.is_contiguous(), grad.stride()
+
+
 # -- gradcheck in float64 -----------------------------------------------------------------
 
 

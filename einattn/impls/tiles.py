@@ -379,10 +379,12 @@ class _Grads(NamedTuple):
             op.add_grouped(total[:, s0:s1], X.transpose(1, 2), Y, alpha)
 
     def shaped(self, Q, K, V) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``dQ, dK, dV`` in the shapes and dtypes of ``Q, K, V``."""
+        """``dQ, dK, dV`` in the shapes and dtypes of ``Q, K, V``, contiguous (one pass: a
+        cast to a narrower dtype lays them out, ``.contiguous()`` where ``.to`` returns ``d``
+        itself, transposed or with the strides of a ``Q`` whose ``(n μ)`` merged as a view)."""
         keys = [d.transpose(1, 2) if self.transposed else d for d in (self.dK, self.dV)]
         return tuple(d.reshape(T.shape).to(T.dtype, memory_format=torch.contiguous_format)
-                     for d, T in zip((self.dQ, *keys), (Q, K, V), strict=True))
+                     .contiguous() for d, T in zip((self.dQ, *keys), (Q, K, V), strict=True))
 
 
 def _tile_backward(op: Operands, mask, pattern, at, tile, rows, grads: _Grads, drop):
