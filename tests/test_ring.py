@@ -35,7 +35,9 @@ from sequence_cases import (
 from torch import nn
 
 from einattn import EinattnError, MultiHeadAttention, patterns, ring, sequence_parallel
+from einattn import functional as F
 from einattn import parallel as par
+from einattn.impls import tiles
 
 CHECKS: dict[str, object] = {}
 
@@ -222,6 +224,34 @@ def test_merge_equals_the_softmax_over_both_sets_of_keys():
     torch.testing.assert_close(lse, ring.MERGE_LSE(lse_1=lse_1, lse_2=lse_2), rtol=0, atol=1e-12)
     torch.testing.assert_close(Z, ring.MERGE_Z(lse_1=lse_1, Z_1=Z_1, lse_2=lse_2, Z_2=Z_2, lse=lse),
                                rtol=0, atol=1e-12)
+
+
+def test_a_blocks_backward_with_the_whole_rows_lse_stays_finite():
+    """A pair's backward reads the whole row's ``lse``: rows of a window that see no key of
+    an earlier chunk, whose keys elsewhere score about −800 (``e^{−lse}`` overflows float64),
+    give it no gradient, and its dK, dV are the dense ones (its own keys' scores are small,
+    which once took ``exp(S) e^{−lse}`` unshifted: 0 · ∞ = NaN)."""
+    c, e0 = 6, torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=F64)
+    Q, K, V = (randn(1, 2, L, a, seed=k) for k, (L, a) in enumerate([(c, 4), (2 * c, 4),
+                                                                       (2 * c, 3)]))
+    K[:, :, :c] *= 0.01  # chunk 0: small scores
+    Q[:, :, :3, 0] = 0.0  # positions 6-8: small scores on chunk 1 too
+    Q[:, :, 3:], K[:, :, c:] = 40.0 * e0, K[:, :, c:] * 0.1 - 40.0 * e0  # 9-11 on 6-11: ≈ −800
+    Q, K, V = (t.requires_grad_() for t in (Q, K, V))
+    Z = F.attention(Q, K, V, causal=True, window=4, impl="einsum")  # queries at 6 … 11
+    dZ = randn(*Z.shape, seed=3)
+    dK, dV = (g[:, :, :c] for g in torch.autograd.grad(Z, (K, V), dZ))
+    mine = patterns.build(n=1, n_heads=2, L_q=c, L_k=2 * c, dtype=F64, device="cpu",
+                          causal=True, window=4)
+    _, lse = tiles.forward(Q, K, V, None, mine, 8)
+    assert lse[:, :, 3:].max() < -700
+    whole = patterns.build(n=1, n_heads=2, L_q=2 * c, L_k=2 * c, dtype=F64, device="cpu",
+                           causal=True, window=4)
+    (_, _, pair), _ = ring.pairs((1,), (0, 1), c, whole)  # chunk 1's queries, chunk 0's keys
+    dQ_p, dK_p, dV_p, *_ = tiles.backward(Q, K[:, :, :c], V[:, :, :c], Z, tiles.for_backward(
+        lse), None, dZ, pair, 8, mask_grad=False)
+    assert torch.isfinite(dQ_p).all() and torch.equal(dQ_p[:, :, 3:], torch.zeros(1, 2, 3, 4))
+    assert scaled_error(dK_p, dK) <= TOL and scaled_error(dV_p, dV) <= TOL
 
 
 def causal_tiles(R: int, layout: str, L: int, block_size: int) -> list[int]:

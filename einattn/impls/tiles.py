@@ -117,14 +117,15 @@ def _scores(op: Operands, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor:
                       op.scale)
 
 
-def _bounded(op: Operands, pattern, mask, dZ=None) -> bool:
+def _bounded(op: Operands, pattern, mask, dZ=None, lse=None) -> bool:
     """Whether ``exp(S)`` itself may be summed over every key, shifted by no running max:
     where ``|S| ≤ max‖q‖ · max‖k‖ = B`` (Cauchy–Schwarz) keeps ``e^{±B}`` and ``L_k · e^B ·
     max|V|`` between the dtype's smallest normal number and its largest (a pattern of mask
     pieces alone, no mask tensor, on a CPU, outside ``torch.compile``). The shift cancels
     from ``Z = O / l``; without it a tile skips the max, the subtraction and the rescaling,
-    two of its five passes. With ``dZ`` (the backward's), ``e^B · 2a · max|dZ| · max|V|``
-    too, for ``dZ e^{−lse}`` (:func:`backward`)."""
+    two of its five passes. With ``dZ`` and ``lse`` (the backward's), ``e^{−lse} · 2a ·
+    max|dZ| · max|V|`` too, for ``dZ e^{−lse}`` (:func:`backward`): ``e^{−lse} ≤ e^B`` where
+    a row's keys are all here, not where ``lse`` is the whole row's of a ring's block."""
     if torch.compiler.is_compiling() or mask is not None or op.q.device.type != "cpu" \
             or not pattern.only_masks or not op.k.numel() or not op.q.numel():
         return False
@@ -133,7 +134,8 @@ def _bounded(op: Operands, pattern, mask, dZ=None) -> bool:
     bound = (norms[0] * norms[1]).item() * op.scale
     size = math.log(op.k.shape[1]) + math.log1p(v.item())
     if dZ is not None:
-        size += bound + math.log1p(2 * op.q.shape[2] * (_largest(dZ) * v).item())
+        size += max(bound, -lse.amin().item()) + math.log1p(
+            2 * op.q.shape[2] * (_largest(dZ) * v).item())
     return bound + size <= _EXP_RANGE[op.q.dtype]
 
 
@@ -331,7 +333,7 @@ def backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: 
                          transposed=block_size >= WIDE_ROWS)
     lse3, at = lse.to(acc).reshape(D.shape), pattern.grid()
     rows = (lse3, torch.cat([dZ3, D.neg()], dim=-1))  # dZ⁺ = [dZ | −D]
-    if _bounded(op, pattern, mask, dZ3):
+    if _bounded(op, pattern, mask, dZ3, lse3):
         rows = (None, rows[1].mul_(torch.exp(-lse3)))  # e^{−lse}: 0 where a row saw no key
     for tile in _plan(pattern, block_size, op):
         _tile_backward(op, mask, pattern, at, tile, rows, grads, drop)
