@@ -358,6 +358,16 @@ def test_empty_sizes(n, L_q, L_k, causal):
     assert torch.equal(Z, torch.zeros_like(Z))
 
 
+@pytest.mark.parametrize("L_q", [3, 13], ids=["split keys", "tiles"])
+def test_values_of_no_channel(L_q):
+    """``V[n g σ a]`` with ``a = 0``: ``Z`` of no channel and zero gradients, as the einsum
+    path gives (the bound of the unshifted tiles reads ``max |V|``: none here)."""
+    Q, K, _ = qkv(L_q, 10)
+    V = randn(N, MU, 10, 0, seed=2, requires_grad=True)
+    Z = compare(Q, K, V, causal=True, block_size=3, tol=TOL[F64])
+    assert Z.shape == (N, MU, L_q, 0)
+
+
 @pytest.mark.parametrize("n, block_size", [(1, 3), (2, 3), (2, 256)])
 @pytest.mark.parametrize("dtype", [F64, torch.bfloat16], ids=str)
 def test_gradients_come_back_contiguous(n, block_size, dtype):

@@ -127,7 +127,7 @@ def _bounded(op: Operands, pattern, mask, dZ=None, lse=None) -> bool:
     max|dZ| · max|V|`` too, for ``dZ e^{−lse}`` (:func:`backward`): ``e^{−lse} ≤ e^B`` where
     a row's keys are all here, not where ``lse`` is the whole row's of a ring's block."""
     if torch.compiler.is_compiling() or mask is not None or op.q.device.type != "cpu" \
-            or not pattern.only_masks or not op.k.numel() or not op.q.numel():
+            or not pattern.only_masks or not all(x.numel() for x in (op.q, op.k, op.v)):
         return False
     norms = [torch.linalg.vector_norm(x, dim=-1).amax() for x in (op.q, op.k)]
     v = _largest(op.v)
