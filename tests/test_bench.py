@@ -628,8 +628,12 @@ def test_long_causal_times_chunked_against_sdpa_and_reports_its_peak():
     line = next(x for x in text.splitlines()
                 if x.split()[:1] == ["96"] and "einattn chunked, no window" in x and "×" in x)
     assert line.endswith("5 MiB")
-    skipped = bench.time_long_causal(size, settings, {"chunked_causal": "no chunked"})
-    assert set(skipped.timings) == {"sdpa_causal"}
+    alone = bench.time_long_causal(size, settings, {"sdpa_causal": "no SDPA here"})
+    assert set(alone.timings) == {"chunked_causal"} and alone.deviation == {}  # nothing compared
+    report.patterns.causal = [alone]
+    line = next(x for x in "\n".join(bench.lines(report, output.table, output.Paint(False)))
+                .splitlines() if x.split()[:1] == ["96"] and "einattn chunked, no window" in x)
+    assert line.split()[-3:] == ["—", "5", "MiB"]  # no |ΔZ| without SDPA; the peak as measured
 
 
 def test_a_form_left_out_is_noted_at_its_targets():

@@ -322,8 +322,8 @@ def _causal_table(report: Report, table, paint) -> list[str]:
     peaks = {(m.L, name): growth for m in section.memory for name, growth in m.growth.items()}
     cells = [[str(r.size.L), PATTERN_NAMES[name], _duration(t.median), _percent(t.spread),
               _times(r.ratio(name, "sdpa_causal")), *rate_cells(r, name),
-              _deviation_text(r.deviation[name]),
-              _mib(peaks[r.size.L, name]) if (r.size.L, name) in peaks else "—"]
+              _deviation_text(r.deviation[name]) if name in r.deviation else "—",
+              _mib(peaks.get((r.size.L, name)))]
              for r in section.causal for name, t in r.timings.items()]
     return ["", "dense causal attention, forward+backward, at the memory lengths: chunked "
                 "against SDPA's flash kernel (is_causal); max |ΔZ| against SDPA's Z",

@@ -123,7 +123,7 @@ def _bounded(op: Operands, pattern, mask, dZ=None, lse=None) -> bool:
     max|V|`` between the dtype's smallest normal number and its largest (a pattern of mask
     pieces alone, no mask tensor, on a CPU, outside ``torch.compile``). The shift cancels
     from ``Z = O / l``; without it a tile skips the max, the subtraction and the rescaling,
-    two of its five passes. With ``dZ`` and ``lse`` (the backward's), ``e^{−lse} · 2a ·
+    two of its five passes. With ``dZ`` and ``lse`` (the backward's), ``e^{−lse} · 2a_v ·
     max|dZ| · max|V|`` too, for ``dZ e^{−lse}`` (:func:`backward`): ``e^{−lse} ≤ e^B`` where
     a row's keys are all here, not where ``lse`` is the whole row's of a ring's block."""
     if torch.compiler.is_compiling() or mask is not None or op.q.device.type != "cpu" \
@@ -135,7 +135,7 @@ def _bounded(op: Operands, pattern, mask, dZ=None, lse=None) -> bool:
     size = math.log(op.k.shape[1]) + math.log1p(v.item())
     if dZ is not None:
         size += max(bound, -lse.amin().item()) + math.log1p(
-            2 * op.q.shape[2] * (_largest(dZ) * v).item())
+            2 * op.v.shape[2] * (_largest(dZ) * v).item())  # |dP|, |D| ≤ a_v max|dZ| max|V|
     return bound + size <= _EXP_RANGE[op.q.dtype]
 
 
@@ -365,11 +365,10 @@ class _Grads(NamedTuple):
     @classmethod
     def zeros(cls, op: Operands, mask, tensors, transposed: bool) -> _Grads:
         """Zeros for each gradient (``dM`` where ``mask`` is given)."""
-        keys = [torch.zeros_like(x.transpose(1, 2) if transposed else x,
-                                 memory_format=torch.contiguous_format) for x in (op.k, op.v)]
-        return cls(torch.zeros_like(op.q), *keys, None if mask is None else torch.zeros_like(
-            mask, memory_format=torch.contiguous_format), [torch.zeros_like(t) for t in tensors],
-            transposed)
+        dQ, dK, dV, dM = (None if x is None else torch.zeros_like(
+            x, memory_format=torch.contiguous_format) for x in (op.q, *(
+                y.transpose(1, 2) if transposed else y for y in (op.k, op.v)), mask))
+        return cls(dQ, dK, dV, dM, [torch.zeros_like(t) for t in tensors], transposed)
 
     def add_keys(self, op: Operands, total: torch.Tensor, s0: int, s1: int, X, Y,
                  alpha: float = 1.0) -> None:
