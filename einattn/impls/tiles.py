@@ -330,7 +330,7 @@ def backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: 
     dZ3 = dZ.to(acc).reshape(n * heads, L_q, a_v)
     D = torch.linalg.vecdot(dZ3, Z.to(acc).reshape(dZ3.shape))[..., None]  # Σ_a dZ Z = Σ_σ P dP
     grads = _Grads.zeros(op, mask if mask_grad else None, pattern.tensors,
-                         transposed=block_size >= WIDE_ROWS)
+                         transposed=min(block_size, L_q) >= WIDE_ROWS)
     lse3, at = lse.to(acc).reshape(D.shape), pattern.grid()
     rows = (lse3, torch.cat([dZ3, D.neg()], dim=-1))  # dZ⁺ = [dZ | −D]
     if _bounded(op, pattern, mask, dZ3, lse3):
