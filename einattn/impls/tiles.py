@@ -50,7 +50,6 @@ statistics were.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as _F
@@ -58,6 +57,7 @@ import torch.nn.functional as _F
 from .._tile_dropout import TileDropout
 from ..equations import attention_scores, weighted_values
 from ..notation import Equation
+from .tile_grads import WIDE_ROWS, Grads
 from .tile_operands import Operands
 from .tile_plan import SPAN, plan, tiles
 
@@ -329,7 +329,7 @@ def backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: 
     op = Operands.of(Q, K, V, acc)  # every tile in ≥ float32
     dZ3 = dZ.to(acc).reshape(n * heads, L_q, a_v)
     D = torch.linalg.vecdot(dZ3, Z.to(acc).reshape(dZ3.shape))[..., None]  # Σ_a dZ Z = Σ_σ P dP
-    grads = _Grads.zeros(op, mask if mask_grad else None, pattern.tensors,
+    grads = Grads.zeros(op, mask if mask_grad else None, pattern.tensors,
                          transposed=min(block_size, L_q) >= WIDE_ROWS)
     lse3, at = lse.to(acc).reshape(D.shape), pattern.grid()
     rows = (lse3, torch.cat([dZ3, D.neg()], dim=-1))  # dZ⁺ = [dZ | −D]
@@ -337,58 +337,12 @@ def backward(Q, K, V, Z, lse, mask, dZ, pattern, block_size: int, *, mask_grad: 
         rows = (None, rows[1].mul_(torch.exp(-lse3)))  # e^{−lse}: 0 where a row saw no key
     for tile in _plan(pattern, block_size, op):
         _tile_backward(op, mask, pattern, at, tile, rows, grads, drop)
+    del rows, op  # dZ⁺, v⁺ and the tiles' memory, gone before the gradients are laid out
     ds = sink_grad(pattern.sinks, lse, D.view(lse.shape))
     return *grads.shaped(Q, K, V), grads.dM, ds, grads.dT
 
 
-WIDE_ROWS = 256  # tiles of at least this many queries keep dK, dV transposed (_Grads)
-
-
-class _Grads(NamedTuple):
-    """What the backward accumulates over tiles: ``dQ[(n μ) τ a]``, ``dK``, ``dV``
-    ``[(n g) σ a]`` (``[(n g) a σ]`` where ``transposed``), a float mask's ``dM``, the score
-    terms' ``dT``.
-
-    Transposed, a tile's ``dV += Pᵀ dZ`` is ``dVᵀ += dZᵀ P``, a product writing rows of the
-    tile's keys where the other wrote a column of ``a`` per key: one thread, tiles of 4 × 256
-    × 1024 scores, 114 → 132 GFLOP/s, 4 × 256 × 512: 117 → 133; at 4 × 128 × 384 (a
-    window's) both 119, where the transposes' two passes at the end cost more than they
-    save."""
-
-    dQ: torch.Tensor
-    dK: torch.Tensor
-    dV: torch.Tensor
-    dM: torch.Tensor | None
-    dT: list
-    transposed: bool
-
-    @classmethod
-    def zeros(cls, op: Operands, mask, tensors, transposed: bool) -> _Grads:
-        """Zeros for each gradient (``dM`` where ``mask`` is given)."""
-        dQ, dK, dV, dM = (None if x is None else torch.zeros_like(
-            x, memory_format=torch.contiguous_format) for x in (op.q, *(
-                y.transpose(1, 2) if transposed else y for y in (op.k, op.v)), mask))
-        return cls(dQ, dK, dV, dM, [torch.zeros_like(t) for t in tensors], transposed)
-
-    def add_keys(self, op: Operands, total: torch.Tensor, s0: int, s1: int, X, Y,
-                 alpha: float = 1.0) -> None:
-        """``total[σ0:σ1] += alpha Σ_r Xᵀ Y`` for ``total`` = dK or dV, ``X`` the tile's
-        ``[(n μ) τ σ]``, ``Y`` its rows ``[(n μ) τ ·]`` (``Yᵀ X`` where transposed)."""
-        if self.transposed:
-            op.add_grouped(total[:, :, s0:s1], Y.transpose(1, 2), X, alpha)
-        else:
-            op.add_grouped(total[:, s0:s1], X.transpose(1, 2), Y, alpha)
-
-    def shaped(self, Q, K, V) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``dQ, dK, dV`` in the shapes and dtypes of ``Q, K, V``, contiguous (one pass: a
-        cast to a narrower dtype lays them out, ``.contiguous()`` where ``.to`` returns ``d``
-        itself, transposed or with the strides of a ``Q`` whose ``(n μ)`` merged as a view)."""
-        keys = [d.transpose(1, 2) if self.transposed else d for d in (self.dK, self.dV)]
-        return tuple(d.reshape(T.shape).to(T.dtype, memory_format=torch.contiguous_format)
-                     .contiguous() for d, T in zip((self.dQ, *keys), (Q, K, V), strict=True))
-
-
-def _tile_backward(op: Operands, mask, pattern, at, tile, rows, grads: _Grads, drop):
+def _tile_backward(op: Operands, mask, pattern, at, tile, rows, grads: Grads, drop):
     """One tile's share of the gradients, from ``rows = (lse, dZ⁺)`` of every query (or
     ``(None, dZ⁺ e^{−lse})``, where ``P = exp(S) e^{−lse}``), ``dZ⁺ = [dZ | −D]``."""
     t0, t1, s0, s1 = tile[:4]
@@ -419,7 +373,7 @@ def _score_grads(op: Operands, P, dZ, R, s0: int, s1: int) -> torch.Tensor:
     return dP.mul_(R).add_(dZ[..., -1:]).mul_(P)
 
 
-def _through_terms(dS: torch.Tensor, S, grads: _Grads, pattern, at, tile) -> torch.Tensor:
+def _through_terms(dS: torch.Tensor, S, grads: Grads, pattern, at, tile) -> torch.Tensor:
     """A float mask's gradient ``dM += dS`` (summed where it broadcasts), and ``dS`` back
     through ``cap(S) + B`` to S (adding what a ScoreMod captures to ``dT``)."""
     tau, sigma = slice(tile[0], tile[1]), slice(tile[2], tile[3])
