@@ -70,9 +70,9 @@ def test_auto_is_the_impl_it_picks_bit_for_bit(pattern, L, grad):
     ("window", 384, False, "sdpa"), ("window", 448, False, "chunked"),
     ("window", 1024, False, "chunked"), ("window", 1024, True, "chunked"),
     ("documents", 384, True, "sdpa"), ("documents", 1024, True, "chunked"),
-    ("softcap", 256, False, "einsum"), ("softcap", 320, False, "chunked"),
-    ("softcap", 512, True, "einsum"), ("softcap", 1024, True, "chunked"),
-    ("sinks", 96, False, "einsum"), ("sinks", 128, False, "chunked"),
+    ("softcap", 224, False, "einsum"), ("softcap", 256, False, "chunked"),
+    ("softcap", 352, True, "einsum"), ("softcap", 384, True, "chunked"),
+    ("sinks", 80, False, "einsum"), ("sinks", 96, False, "chunked"),
     ("sinks", 128, True, "einsum"), ("sinks", 192, True, "chunked"),
 ])
 def test_the_rules_pick_as_measured(pattern, L, grad, impl):

@@ -40,17 +40,18 @@ TILED = 400 * 400
 # Where SDPA cannot take the pattern (a sink or a cap), the chunked tiles lead the equations
 # (einsum) from this many scores, by (a sink?, gradients?); measured under the causal rule.
 TERMS_TILED = {
-    # a sink, forward: einsum leads at 96 (chunked 1.09×); chunked 0.93× at 128, 0.74× at 256
-    (True, False): 112 * 112,
-    # a sink, trained: einsum 0.78× chunked at 96, 0.89× at 128; ties at 160, 192; chunked
-    # 0.87× at 256, 0.57× at 512
+    # a sink, forward: einsum leads at 80 (chunked 1.03×); chunked 0.92× at 96, 0.77× at 128
+    (True, False): 88 * 88,
+    # a sink, trained: einsum 0.94× chunked at 128; ties at 160; chunked 0.89× at 192
     (True, True): 160 * 160,
-    # a cap, forward: einsum 0.76–0.79× chunked at 128–192, 0.84× at 256; chunked 0.63× at 320
-    (False, False): 288 * 288,
-    # a cap, trained: einsum 0.82–0.84× chunked at 384–448, a tie at 512; chunked 0.93× at
-    # 768, 0.81× at 1024
-    (False, True): 640 * 640,
+    # a cap, forward: einsum 0.94× chunked at 192; ties at 224; chunked 0.98× at 256, 0.70× at 352
+    (False, False): 240 * 240,
+    # a cap, trained: einsum 0.82× chunked at 288, 0.97–1.01× at 320–352; chunked 0.94× at 384,
+    # 0.80× at 512
+    (False, True): 368 * 368,
 }
+# (Retuned 2026-11-26 after the chunked backward's fewer passes; benchmarks/auto.py with
+# --sample-s 0.1, 9–11 rounds.)
 
 
 class Choice(NamedTuple):
