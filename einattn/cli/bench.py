@@ -71,7 +71,8 @@ def bench_options(parser: argparse.ArgumentParser) -> None:
     add("--section", nargs="+", choices=SECTIONS, metavar="S", help="the sections to run: "
         "layer (one attention layer six ways), patterns (a causal sliding window, built in, as "
         "a MaskMod and as a Mask string, and packed documents: chunked against SDPA with a "
-        "dense mask and compiled FlexAttention) and decoding (a prefill, "
+        "dense mask and compiled FlexAttention; dense causal at the memory length, chunked "
+        "against SDPA's flash kernel) and decoding (a prefill, "
         "then the time per token at contexts 512 and 4096 against hand-written Linear+SDPA "
         "with a torch.cat and a preallocated cache) (default: all three)")
     add("--pattern-sizes", nargs="+", type=_pattern_size, metavar="N,H,L,A,W", help="the "

@@ -50,10 +50,10 @@ class Operands(NamedTuple):
         return out.baddbmm_(x, y, beta=0, alpha=alpha)  # beta = 0: out's old numbers unread
 
     def summing(self) -> torch.Tensor:
-        """``v⁺[(n g) σ e] = [v | 1]``: the values with a column of ones, so that one product
-        ``P v⁺`` is ``[P V | Σ_σ P]`` (RUNNING_VALUES and RUNNING_SUM in one pass over ``P``)
-        and ``dZ⁺ v⁺ᵀ`` with ``dZ⁺ = [dZ | −D]`` is ``dZ Vᵀ − D`` (PROB_GRADS with the ``D`` of
-        ``dS = P ∘ (dP − D)``); made once per call."""
+        """``v⁺[(n g) σ e] = [v | 1]``: the values with a column of ones, so that ``dZ⁺ v⁺ᵀ``
+        with ``dZ⁺ = [dZ | −D]`` is ``dZ Vᵀ − D`` (PROB_GRADS with the ``D`` of ``dS = P ∘
+        (dP − D)`` in one product); made once per call. (The forward's ``P v⁺ = [P V | Σ_σ
+        P]`` would save its sum's pass too, but a product 65 wide costs what the pass does.)"""
         ones = self.buffers.get("v+")
         if ones is None:
             ones = self.buffers["v+"] = torch.cat(

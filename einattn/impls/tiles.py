@@ -365,7 +365,7 @@ def _tile_backward(op: Operands, mask, pattern, at, tile, rows, grads: Grads, dr
 
 def _score_grads(op: Operands, P, dZ, R, s0: int, s1: int) -> torch.Tensor:
     """``dS = P ∘ (dP − D)`` in the call's memory ``"dP"``: PROB_GRADS as ``dZ⁺ v⁺ᵀ = dZ V_bᵀ
-    − D``, one product and one pass (two passes fewer than ``dP − D`` after the product);
+    − D``, one product and one pass (a pass fewer than ``dP − D`` after the product);
     through the dropout ``dA = R ∘ (dZ V_bᵀ)``, then ``− D``."""
     if R is None:
         return op.product("dP", dZ, op.per_head(op.summing(), s0, s1).transpose(1, 2)).mul_(P)
