@@ -628,3 +628,30 @@ def test_the_online_softmax_equations_over_tiles_are_the_softmax():
     expected = (A.unflatten(1, (g, r)) @ V[:, :, None]).flatten(1, 2)
     assert_close_scaled(out / total[..., None], expected, TOL[torch.float64])
     assert_close_scaled(m + total.log(), S.logsumexp(-1), TOL[torch.float64])
+
+
+def test_a_bounded_tiles_backward_is_five_products_and_two_passes():
+    """Where the scores are bounded and nothing is masked, each tile of the backward makes
+    four tensors of the tile's size: S (a product), exp(S) (a pass), dZ⁺ V⁺ᵀ = dP − D (a
+    product) and dS = P ∘ (dP − D) (a pass); dV, dQ and dK are products into their rows.
+    The subtraction of D as a pass of its own (five of the tile's size) is gone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    L, b = 32, 8  # one row of tiles is one product of SPAN = 4 key blocks
+    Q, K, V = qkv(L, L)
+    Z = chunked.attention(Q, K, V, block_size=b)
+    tile = (N * MU, b, chunked.SPAN * b)
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == tile \
+                    and not func.is_view:  # what computes, not the views of its memory
+                made.append(func.__name__)
+            return out
+
+    with Record():
+        Z.backward(torch.ones_like(Z))
+    assert sorted(made) == sorted(["baddbmm_.default", "exp_.default", "baddbmm_.default",
+                                   "mul_.Tensor"] * (L // b))
